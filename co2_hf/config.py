@@ -1,0 +1,165 @@
+"""`CO2Config`: every ``co2_*`` knob, declared once, with its help text and its validation.
+
+The field name is the command-line flag (``--co2_local_steps``), the key in a checkpoint's
+``co2_config.json`` and the attribute the engine reads. Integrations (the Trainer's arguments, the
+Accelerate helper, the recipes) inherit or wrap this dataclass; none of them declares a knob again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+START_RULES = ("anchor", "eager")
+PENALTY_MODES = ("gap_aware", "constant")
+COMM_DTYPES = ("float32", "bfloat16")
+STATE_DEVICES = ("same", "cpu")
+
+# The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
+# only while they stay <= 256 (bfloat16 has 8 significant bits).
+MAX_BF16_WORKERS = 256
+
+
+def _knob(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class CO2Config:
+    """Settings of CO2 (arXiv 2401.16265), as defined in ``docs/algorithm.md``."""
+
+    co2_enabled: bool = _knob(
+        True, "Train with CO2. False: plain data parallel through the same script (the baseline)."
+    )
+    co2_local_steps: int = _knob(12, "tau: inner optimizer steps per round, between two outer all-reduces (>= 1).")
+    co2_outer_lr: float = _knob(1.0, "alpha: outer learning rate applied to the outer momentum (> 0).")
+    co2_outer_momentum: float = _knob(0.2, "beta: outer momentum coefficient (0 <= beta < 1).")
+    co2_nesterov: bool = _knob(False, "Use the Nesterov form of the outer momentum.")
+    co2_overlap: bool = _knob(
+        True,
+        "Overlap the outer all-reduce with the next round's compute (CO2). False: blocking outer "
+        "all-reduce (local SGD / SlowMo / DiLoCo family).",
+    )
+    co2_start_rule: Literal["anchor", "eager"] = _knob(
+        "anchor",
+        "Where a round starts: 'anchor' (every worker at the shared anchor) or 'eager' (the anchor "
+        "minus the worker's own last outer gradient, applied at once). Only matters with overlap.",
+    )
+    co2_gap_penalty: float = _knob(
+        1.0, "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Overlap only."
+    )
+    co2_gap_penalty_mode: Literal["gap_aware", "constant"] = _knob(
+        "gap_aware",
+        "'gap_aware': elementwise P = 1/max(1, lambda*|alpha*m|/mean|D|); 'constant': P = 1/max(1, lambda).",
+    )
+    co2_clip_threshold: float | None = _knob(
+        None, "phi > 0: clip the global L2 norm of the outer momentum to phi; unset: no clipping."
+    )
+    co2_comm_dtype: Literal["float32", "bfloat16"] = _knob(
+        "float32", "Dtype of the outer all-reduce on the wire; outer state stays float32."
+    )
+    co2_sync_warmup_steps: int = _knob(
+        0, "Inner steps of plain data parallel (gradients averaged every step) before local updating."
+    )
+    co2_worker_size: int = _knob(
+        1,
+        "Processes per worker: k consecutive ranks train as one data-parallel worker over a fast "
+        "link; CO2 runs between workers. Must divide the world size.",
+    )
+    co2_state_device: Literal["same", "cpu"] = _knob(
+        "same", "Where anchor, momentum and buffer live: 'same' as the parameters, or 'cpu'."
+    )
+    co2_max_skipped_rounds: int = _knob(
+        3,
+        "Consecutive rounds in which no worker is finite before training stops with an error (0: never stop).",
+    )
+    co2_timeout_s: float = _knob(
+        900.0, "Seconds to wait for an outer all-reduce before failing with a clear error (> 0)."
+    )
+
+    def __post_init__(self) -> None:
+        self.validate_co2()
+
+    # Named validate_co2 (not validate) so that a TrainingArguments subclass can mix it in safely.
+    def validate_co2(self) -> None:
+        """Raise ``ValueError`` naming the field, the value and what is allowed."""
+        for name in ("co2_enabled", "co2_nesterov", "co2_overlap"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+        _check_int(self, "co2_local_steps", minimum=1)
+        _check_int(self, "co2_sync_warmup_steps", minimum=0)
+        _check_int(self, "co2_worker_size", minimum=1)
+        _check_int(self, "co2_max_skipped_rounds", minimum=0)
+        alpha = self.co2_outer_lr
+        _check("co2_outer_lr", alpha, _is_real(alpha) and alpha > 0, "a finite number > 0")
+        beta = self.co2_outer_momentum
+        _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
+        lam = self.co2_gap_penalty
+        _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
+        phi = self.co2_clip_threshold
+        _check(
+            "co2_clip_threshold",
+            phi,
+            phi is None or (_is_real(phi) and phi > 0),
+            "a finite number > 0, or None for no clipping",
+        )
+        timeout = self.co2_timeout_s
+        _check("co2_timeout_s", timeout, _is_real(timeout) and timeout > 0, "a finite number > 0")
+        for name, allowed in (
+            ("co2_start_rule", START_RULES),
+            ("co2_gap_penalty_mode", PENALTY_MODES),
+            ("co2_comm_dtype", COMM_DTYPES),
+            ("co2_state_device", STATE_DEVICES),
+        ):
+            value = getattr(self, name)
+            _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+
+    def check_world(self, world_size: int) -> int:
+        """Check what depends on the number of processes; return the number of workers G.
+
+        Integrations call this before creating any process group, so a bad launch fails at once.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+        k = self.co2_worker_size
+        if world_size % k:
+            raise ValueError(
+                f"co2_worker_size={k} must divide the world size {world_size}: allowed values are "
+                f"the divisors of {world_size}: {_divisors(world_size)}"
+            )
+        workers = world_size // k
+        if self.co2_comm_dtype == "bfloat16" and workers > MAX_BF16_WORKERS:
+            raise ValueError(
+                f"co2_comm_dtype='bfloat16' supports at most {MAX_BF16_WORKERS} workers (its round "
+                f"check is exact only up to there); got {workers}. Use co2_comm_dtype='float32'."
+            )
+        return workers
+
+    def co2_dict(self) -> dict[str, Any]:
+        """The ``co2_*`` fields as a plain dict (what checkpoints and model cards store)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CO2Config)}
+
+    @classmethod
+    def from_object(cls, obj: Any) -> CO2Config:
+        """Build a config from any object carrying the ``co2_*`` attributes (e.g. training args)."""
+        return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}")
+
+
+def _check_int(config: CO2Config, name: str, *, minimum: int) -> None:
+    value = getattr(config, name)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    _check(name, value, ok, f"an integer >= {minimum}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

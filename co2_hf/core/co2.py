@@ -1,0 +1,432 @@
+"""`CO2`: the engine's state and the phases of one round (``docs/algorithm.md``).
+
+A round boundary with overlap runs, on every rank and in this order:
+
+1. ``_receive``  -- wait for the all-reduce launched one boundary ago; it holds ``D_{t-1}``;
+2. ``_direction`` -- staleness penalty ``P``, ``m <- beta*m + P*D``, clip ``m``, step ``v``;
+3. ``_exchange``  -- chunk by chunk: ``d = a - x``, ``a <- a - alpha*v``, buffer <- ``d``;
+4. ``_launch``    -- start the all-reduce of this round's ``d`` (never of live parameters);
+5. ``_reset_live`` -- ``x <- a``, written in place into the existing parameter tensors.
+
+With overlap off the same phases run as exchange, launch, receive, direction, move anchor, reset.
+One fp32 communication buffer carries ``D`` in and ``d`` out; scratch memory is one chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from ..config import CO2Config
+from . import update
+from .comm import Communicator, Pending, make_communicator
+from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
+from .state import CheckpointMixin
+
+logger = logging.getLogger(__name__)
+
+ROUND_BITS = 32  # the round index travels as bits: any disagreement gives a bit sum in (0, G)
+
+
+class CO2(CheckpointMixin):
+    """CO2 data-parallel training around an ``nn.Module``; call ``step()`` after each optimizer step.
+
+    Args:
+        model: the module to train; construct CO2 after moving it to its device.
+        config: the ``co2_*`` settings (``CO2Config()`` when None).
+        optimizer: the inner optimizer; when given, a worker found non-finite has its state cleared.
+        process_group: the group of workers; None makes a dedicated group over all ranks of the
+            default group (collective: every rank constructs CO2 at the same point), or runs a
+            single worker when torch.distributed is not initialised.
+        communicator: overrides ``process_group`` with an injected communicator (tests).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CO2Config | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        process_group: Any = None,
+        communicator: Communicator | None = None,
+        *,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    ) -> None:
+        self.config = cfg = config if config is not None else CO2Config()
+        if not cfg.co2_enabled:
+            raise ValueError("co2_enabled=False: train without CO2 (plain data parallel) instead")
+        if cfg.co2_worker_size != 1:
+            raise ValueError(
+                f"co2_worker_size={cfg.co2_worker_size} is not supported by this version of the "
+                "engine: allowed value is 1 (every process is its own worker)"
+            )
+        self.model, self.optimizer = model, optimizer
+        self.device = _state_device(model, cfg)
+        self.comm = communicator or make_communicator(
+            process_group=process_group, state_device=self.device, timeout_s=cfg.co2_timeout_s
+        )
+        self.num_workers = cfg.check_world(self.comm.num_workers * self.comm.worker_size)
+        self.layout = FlatLayout(
+            model,
+            worker_size=self.comm.worker_size,
+            shard_index=self.comm.shard_index,
+            chunk_numel=chunk_numel,
+        )
+        n = self.layout.shard_numel
+        self._header = n  # buffer slots: [payload n | weight | round bits | one wait time per worker]
+        zeros = dict(dtype=torch.float32, device=self.device)
+        self._anchor = torch.zeros(n, **zeros)
+        self._momentum = torch.zeros(n, **zeros)
+        self._buf = torch.zeros(n + 1 + ROUND_BITS + self.num_workers, **zeros)
+        wire_dtype = torch.bfloat16 if cfg.co2_comm_dtype == "bfloat16" else torch.float32
+        self._wire = self._buf if wire_dtype == torch.float32 else self._buf.to(wire_dtype)
+        eager = cfg.co2_overlap and cfg.co2_start_rule == "eager"
+        self._own = torch.zeros(self.layout.param_local, **zeros) if eager else None
+        self._pending: Pending | None = None
+        self._sent_round = 0  # the round whose outer gradients the pending all-reduce carries
+        self._have_d = False  # the buffer holds a received D, not yet applied
+        self.inner_steps = 0  # inner steps since construction (all of them, AMP-skipped included)
+        self.round = 0  # index t of the current round
+        self.round_step = 0  # inner steps taken in the current round
+        self.warmup_done = cfg.co2_sync_warmup_steps == 0
+        self.amp_skipped_steps = 0
+        self.skipped_rounds = 0
+        self._consecutive_skipped = 0
+        self._last_wait_s = 0.0
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._param_pieces = self._index_param_pieces()
+        self._take_anchor()
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self, *, skipped: bool = False) -> bool:
+        """Count one inner step (``skipped``: AMP skipped it); run a boundary after ``tau`` of them.
+
+        Returns True when a round boundary ran.
+        """
+        self.inner_steps += 1
+        self.amp_skipped_steps += int(skipped)
+        if not self.warmup_done:
+            if self.inner_steps >= self.config.co2_sync_warmup_steps:
+                self._take_anchor()
+                self.warmup_done = True
+            return False
+        self.round_step += 1
+        if self.round_step < self.config.co2_local_steps:
+            return False
+        self._boundary()
+        return True
+
+    @property
+    def in_warmup(self) -> bool:
+        """True during ``co2_sync_warmup_steps``, while training is ordinary data parallel."""
+        return not self.warmup_done
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Average gradients over all workers during the warm-up; do nothing after it.
+
+        Call it after ``backward()`` and before the optimizer step (before unscaling, with AMP).
+        """
+        if self.warmup_done:
+            return
+        params = [s.tensor for s in self.layout.segments if s.is_param]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+        self.comm.all_reduce_(flat)
+        flat.div_(self.num_workers)
+        torch._foreach_copy_([p.grad.view(-1) for p in params], list(flat.split([p.numel() for p in params])))
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """End of training: apply every worker's steps and leave all workers on the final anchor.
+
+        A partial round runs its boundary now; an in-flight all-reduce is waited for and applied
+        with the same rule. Afterwards nothing is in flight, the round counters restart at 0 and
+        the outer momentum is kept.
+        """
+        if not self.warmup_done:
+            self._take_anchor()
+            self.warmup_done = True
+        if self.round_step > 0:
+            self._boundary()
+        if self._receive(record=False):
+            self._direction(stale=True)
+            self._exchange(apply=True, write=False)
+            self._have_d = False
+        if self._own is not None:
+            self._own.zero_()
+        self._reset_live(buffers=True)
+        self.round = self.round_step = 0
+
+    def anchor_state(self) -> dict[str, Tensor]:
+        """The module's ``state_dict`` with every synchronised tensor taken from the anchor.
+
+        Values are in each tensor's own dtype (views of the fp32 anchor where that is fp32):
+        read-only, valid until the next boundary. During the warm-up the live tensors are the
+        global model and are returned as they are.
+        """
+        state = self.model.state_dict()
+        if not self.warmup_done:
+            return state
+        for segment in self.layout.segments:
+            flat = self._anchor[segment.offset : segment.offset + segment.numel]
+            value = flat.view(segment.tensor.shape).to(segment.tensor.dtype)
+            for name in segment.names:
+                state[name] = value
+        return state
+
+    def outer_state_nbytes(self) -> int:
+        """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
+        tensors = [self._anchor, self._momentum, self._buf]
+        tensors += [t for t in (self._own,) if t is not None]
+        if self._wire is not self._buf:
+            tensors.append(self._wire)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Mean of each per-round metric since the last call, plus the running counters."""
+        out = {f"co2/{k}": sum(v) / len(v) for k, v in self._metrics.items() if v}
+        if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
+            out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
+        out["co2/amp_skipped_steps"] = float(self.amp_skipped_steps)
+        out["co2/skipped_rounds"] = float(self.skipped_rounds)
+        self._metrics.clear()
+        return out
+
+    # ------------------------------------------------------------------ the round
+
+    @torch.no_grad()
+    def _boundary(self) -> None:
+        with record_function("co2/boundary"):
+            if self.config.co2_overlap:
+                have_d = self._receive(record=True)
+                if have_d:
+                    self._direction(stale=True)
+                finite = self._exchange(apply=have_d, write=True)
+                self._launch(finite)
+                self._reset_live(buffers=have_d or not finite)
+            else:
+                finite = self._exchange(apply=False, write=True)
+                self._launch(finite)
+                if self._receive(record=True):
+                    self._direction(stale=False)
+                    self._exchange(apply=True, write=False)
+                self._reset_live(buffers=True)
+            self._have_d = False
+            self.round += 1
+            self.round_step = 0
+
+    def _receive(self, *, record: bool) -> bool:
+        """Wait for the in-flight all-reduce, if any; return True when the buffer holds a D."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._have_d
+        start = time.perf_counter()
+        with record_function("co2/wait"):
+            try:
+                self.comm.wait(pending, self.config.co2_timeout_s)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"CO2's outer all-reduce of round {self._sent_round} failed or did not finish "
+                    f"within co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or "
+                    f"stalled): {error}"
+                ) from error
+        self._last_wait_s = time.perf_counter() - start if record else 0.0
+        self._metrics["comm_s"].append(pending.comm_seconds())
+        if self._wire is not self._buf:
+            self._buf.copy_(self._wire)
+        self._have_d = self._unpack_header()
+        return self._have_d
+
+    def _unpack_header(self) -> bool:
+        """Check the round bits, read the wait times, turn the sum into a mean over finite workers."""
+        h, g = self._header, self.num_workers
+        bits = self._buf[h + 1 : h + 1 + ROUND_BITS]
+        expected = ((self._sent_round >> torch.arange(ROUND_BITS)) & 1).to(bits) * g
+        if not torch.equal(bits, expected.to(bits.device)):
+            raise RuntimeError(
+                f"CO2: ranks out of step at round {self._sent_round}: the outer all-reduce mixed "
+                "different rounds (every rank must call CO2.step() once per inner step)"
+            )
+        self._metrics["comm_wait_s"].append(float(self._buf[h + 1 + ROUND_BITS :].max()))
+        count = float(self._buf[h])
+        if count < 0.5:  # no worker was finite: skip this outer update
+            self.skipped_rounds += 1
+            self._consecutive_skipped += 1
+            limit = self.config.co2_max_skipped_rounds
+            if limit and self._consecutive_skipped >= limit:
+                raise RuntimeError(
+                    f"CO2: no worker had a finite outer gradient for {self._consecutive_skipped} "
+                    f"consecutive rounds (co2_max_skipped_rounds={limit}); stopping"
+                )
+            return False
+        self._consecutive_skipped = 0
+        self._buf[:h].div_(count)
+        return True
+
+    def _direction(self, *, stale: bool) -> None:
+        """Turn the received D (buffer) into the step v: penalty, momentum, clip, Nesterov."""
+        cfg, n = self.config, self.layout.param_local
+        d, m = self._buf[:n], self._momentum[:n]
+        lam = cfg.co2_gap_penalty if stale else 0.0
+        gap_aware = lam > 0 and cfg.co2_gap_penalty_mode == "gap_aware"
+        sums = self.comm.reduce_stats(self._segment_abs_sums(d) if gap_aware else _norm_sq(d))
+        self._metrics["outer_grad_norm"].append(float(sums[-1]) ** 0.5)
+        penalty_sum = self._apply_penalty(d, m, sums[:-1] if gap_aware else None, lam)
+        update.momentum_(m, d, cfg.co2_outer_momentum)
+        stats = self.comm.reduce_stats(torch.stack([_norm_sq(m)[0], penalty_sum]))
+        ratio = update.clip_ratio(float(stats[0]), cfg.co2_clip_threshold)
+        if ratio < 1.0:
+            m.mul_(ratio)
+        if cfg.co2_nesterov:
+            update.nesterov_direction_(d, m, cfg.co2_outer_momentum)
+        self._metrics["momentum_norm"].append(float(stats[0]) ** 0.5 * ratio)
+        self._metrics["clip_ratio"].append(ratio)
+        self._metrics["penalty_mean"].append(float(stats[1]) / max(self.layout.param_numel, 1))
+
+    def _segment_abs_sums(self, d: Tensor) -> Tensor:
+        """Local partial sums of |D| per synchronised tensor, then ||D||^2, in float64."""
+        sums = torch.zeros(len(self.layout.segments) + 1, dtype=torch.float64, device=d.device)
+        for chunk, ids, lengths in self._param_pieces:
+            part = d[chunk.start : chunk.param_stop].abs()
+            seg = torch.segment_reduce(part, "sum", lengths=lengths)
+            sums.index_add_(0, ids, seg.double())
+        sums[-1] = _norm_sq(d)[0]
+        return sums
+
+    def _apply_penalty(self, d: Tensor, m: Tensor, seg_sums: Tensor | None, lam: float) -> Tensor:
+        """In place ``d <- P * d``; return the local sum of P over parameter elements."""
+        n = d.numel()
+        if lam <= 0:
+            return torch.tensor(float(n), dtype=torch.float64, device=d.device)
+        if seg_sums is None:  # constant form
+            p = update.constant_penalty(lam)
+            d.mul_(p)
+            return torch.tensor(p * n, dtype=torch.float64, device=d.device)
+        means = (seg_sums / self.layout.segment_numels.to(seg_sums.device)).float()
+        total = torch.zeros((), dtype=torch.float64, device=d.device)
+        alpha = self.config.co2_outer_lr
+        for chunk, ids, lengths in self._param_pieces:
+            dc, mc = d[chunk.start : chunk.param_stop], m[chunk.start : chunk.param_stop]
+            mean_abs = means[ids].repeat_interleave(lengths)
+            p = update.gap_aware_penalty(dc, mc * alpha, mean_abs, lam)
+            dc.mul_(p)
+            total += p.sum(dtype=torch.float64)
+        return total
+
+    def _exchange(self, *, apply: bool, write: bool) -> bool:
+        """Chunk by chunk: ``d = start - x`` (write), ``a <- a - alpha*v`` (apply), buffer <- d.
+
+        Buffers (BatchNorm statistics) travel as absolute values: ``apply`` sets their anchor to
+        the received mean and ``write`` sends their live value. Returns whether d is finite.
+        """
+        alpha = self.config.co2_outer_lr
+        v = self._buf if self.config.co2_nesterov else self._momentum
+        finite = torch.ones((), dtype=torch.bool, device=self.device)  # stays on device: no sync
+        for chunk in self.layout.chunks:
+            lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
+            if write:
+                x = self._gather_live(chunk)
+                torch.sub(self._anchor[lo:mid], x[: mid - lo], out=x[: mid - lo])
+                if self._own is not None:
+                    x[: mid - lo].sub_(self._own[lo:mid])
+                finite &= torch.isfinite(x).all()
+            if apply:
+                self._anchor[lo:mid].sub_(v[lo:mid], alpha=alpha)
+                self._anchor[mid:hi].copy_(self._buf[mid:hi])
+            if write:
+                self._buf[lo:hi].copy_(x)
+                if self._own is not None:
+                    self._own[lo:mid].copy_(x[: mid - lo])
+        if not write:
+            return True
+        return bool(self.comm.reduce_stats(finite.double().view(1)) >= self.comm.worker_size)
+
+    def _launch(self, finite: bool) -> None:
+        """Write the header, quarantine a non-finite worker, start the all-reduce of the buffer."""
+        h = self._header
+        if not finite:
+            self._quarantine()
+        self._buf[h] = 1.0 if finite else 0.0
+        bits = (self.round >> torch.arange(ROUND_BITS)) & 1
+        self._buf[h + 1 : h + 1 + ROUND_BITS].copy_(bits)
+        waits = self._buf[h + 1 + ROUND_BITS :]
+        waits.zero_()
+        waits[self.comm.worker_index] = self._last_wait_s
+        if self._wire is not self._buf:
+            self._wire.copy_(self._buf)
+        self._sent_round = self.round
+        with record_function("co2/launch"):
+            self._pending = self.comm.launch(self._wire)
+
+    def _quarantine(self) -> None:
+        """A worker whose outer gradient is not finite sends zeros with weight 0 and restarts."""
+        logger.warning(
+            "CO2: worker %d has a non-finite outer gradient at round %d; it sends nothing this "
+            "round, returns to the anchor and clears its inner optimizer state",
+            self.comm.worker_index,
+            self.round,
+        )
+        self._buf[: self._header].zero_()
+        if self._own is not None:
+            self._own.zero_()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+
+    def _reset_live(self, *, buffers: bool) -> None:
+        """``x <- a`` (``a - own`` under the eager rule), in place; buffers only when told."""
+        for chunk in self.layout.chunks:
+            lo, mid = chunk.start, chunk.param_stop
+            src = self._anchor[lo : chunk.stop]
+            if self._own is not None:
+                src = src.clone()
+                src[: mid - lo].sub_(self._own[lo:mid])
+            count = len(chunk.live) if buffers else chunk.param_pieces
+            if count:
+                pieces = list(src[: sum(chunk.lengths[:count])].split(chunk.lengths[:count]))
+                torch._foreach_copy_(chunk.live[:count], pieces)
+
+    def _gather_live(self, chunk) -> Tensor:
+        x = torch.zeros(chunk.stop - chunk.start, dtype=torch.float32, device=self.device)
+        if chunk.live:
+            pieces = list(x[: sum(chunk.lengths)].split(chunk.lengths))
+            torch._foreach_copy_(pieces, chunk.live)
+        return x
+
+    @torch.no_grad()
+    def _take_anchor(self) -> None:
+        """Broadcast the live tensors from the first rank, then copy them into the anchor."""
+        self.comm.broadcast_([s.tensor.data for s in self.layout.segments])
+        for chunk in self.layout.chunks:
+            self._anchor[chunk.start : chunk.stop].copy_(self._gather_live(chunk))
+
+    def _index_param_pieces(self) -> list[tuple[Any, Tensor, Tensor]]:
+        """Per chunk with parameters: segment ids and lengths of its parameter pieces."""
+        pieces = []
+        for chunk in self.layout.chunks:
+            k = chunk.param_pieces
+            if k:
+                ids = torch.tensor(chunk.segment_ids[:k], device=self.device)
+                lengths = torch.tensor(chunk.lengths[:k], device=self.device)
+                pieces.append((chunk, ids, lengths))
+        return pieces
+
+
+def _norm_sq(x: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(x).double().square().view(1)
+
+
+def _state_device(model: nn.Module, config: CO2Config) -> torch.device:
+    if config.co2_state_device == "cpu":
+        return torch.device("cpu")
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")

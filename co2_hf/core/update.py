@@ -1,0 +1,91 @@
+"""The outer update of CO2 as pure tensor functions (``docs/algorithm.md``, "One round").
+
+Every function works on a slice of the flat outer state (a chunk of one process's shard) and is
+dtype-generic, so the engine runs them in float32 and the tests in float64. Statistics that span
+elements (per-tensor means, norms) are *inputs* here: the engine computes their local partials,
+combines them through its reduction hook and passes the global values in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+EPS = 1e-12
+
+
+def gap_aware_penalty(d: Tensor, u: Tensor, mean_abs_d: Tensor, lam: float) -> Tensor:
+    """Elementwise ``P = 1 / max(1, lam * |u| / (mean|D| + eps))``.
+
+    ``d`` is the stale averaged outer gradient D, ``u = alpha * m`` the anchor's move since D's base
+    was current, ``mean_abs_d`` the mean of ``|D|`` over D's whole tensor, broadcast to ``d``'s
+    shape. Where the anchor already moved further than a typical element of D, that element is damped
+    in proportion; ``u = 0`` gives ``P = 1``. ``d`` itself only fixes the shape and device.
+    """
+    gap = u.abs().div_(mean_abs_d + EPS).mul_(lam)
+    return gap.clamp_(min=1.0).reciprocal_().to(d.dtype)
+
+
+def constant_penalty(lam: float) -> float:
+    """``P = 1 / max(1, lam)``: the divisor of the authors' released code."""
+    return 1.0 / max(1.0, lam)
+
+
+def momentum_(m: Tensor, pd: Tensor, beta: float) -> Tensor:
+    """In place ``m <- beta * m + P * D`` (``pd`` already holds ``P * D``)."""
+    return m.mul_(beta).add_(pd)
+
+
+def clip_ratio(norm_sq: float, phi: float | None) -> float:
+    """``min(1, phi / ||m||)``: the factor that clips the outer momentum (1 when ``phi`` is None)."""
+    if phi is None or norm_sq <= phi * phi:
+        return 1.0
+    return phi / norm_sq**0.5
+
+
+def nesterov_direction_(pd: Tensor, m: Tensor, beta: float) -> Tensor:
+    """In place ``pd <- beta * m + P * D``: the Nesterov step, using the already clipped ``m``."""
+    return pd.add_(m, alpha=beta)
+
+
+def outer_update(
+    m: Tensor,
+    d: Tensor,
+    *,
+    alpha: float,
+    beta: float,
+    nesterov: bool,
+    lam: float,
+    mode: str,
+    phi: float | None,
+    stale: bool,
+    segment_lengths: list[int] | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """One outer update on whole, unsharded tensors; returns the step ``v`` and the statistics.
+
+    ``m`` is updated in place; ``d`` is not modified. ``segment_lengths`` splits the flat vectors
+    into the tensors over which the gap-aware mean is taken (default: one tensor). ``stale`` is True
+    for an overlapped update (the penalty applies) and False for a synchronous one (``P = 1``).
+    This is the composition the engine runs chunk by chunk; it serves small cases and tests.
+    """
+    lengths = segment_lengths or [d.numel()]
+    if stale and lam > 0 and mode == "gap_aware":
+        sums = torch.stack([s.abs().sum() for s in d.split(lengths)])
+        mean_abs = (sums / torch.tensor(lengths, dtype=d.dtype)).repeat_interleave(torch.tensor(lengths))
+        p = gap_aware_penalty(d, alpha * m, mean_abs, lam)
+    elif stale and lam > 0:
+        p = torch.full_like(d, constant_penalty(lam))
+    else:
+        p = torch.ones_like(d)
+    pd = p * d
+    momentum_(m, pd, beta)
+    ratio = clip_ratio(float(m.pow(2).sum()), phi)
+    m.mul_(ratio)
+    v = nesterov_direction_(pd, m, beta) if nesterov else m.clone()
+    stats = {
+        "outer_grad_norm": float(d.norm()),
+        "momentum_norm": float(m.norm()),
+        "clip_ratio": ratio,
+        "penalty_mean": float(p.mean()),
+    }
+    return v, stats
