@@ -109,3 +109,115 @@ def _average_grads(models: list[nn.Module]) -> None:
         mean = sum(p.grad for p in group) / len(group)
         for p in group:
             p.grad.copy_(mean)
+
+
+# ---------------------------------------------------------------- worked example through the engine
+
+WORKED_OUTER = [
+    ((0.10, -0.20), (0.30, 0.00)),
+    ((0.05, 0.10), (0.15, -0.10)),
+    ((-0.20, 0.40), (0.00, 0.20)),
+    ((0.10, 0.10), (0.10, 0.30)),
+]
+
+
+class Pair(nn.Module):
+    def __init__(self, init: tuple[float, float]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(init))
+
+
+def worked_example(rank: int, world: int, cfg_kwargs: dict) -> list[tuple[list, list]]:
+    """Feed the example's outer gradients to the engine (tau 1); anchor and m after each boundary."""
+    model = Pair((1.0, -2.0) if rank == 0 else (7.0, 7.0))  # the broadcast from rank 0 fixes this
+    co2 = CO2(model, CO2Config(co2_local_steps=1, **cfg_kwargs))
+    rows = []
+    for outer in WORKED_OUTER:
+        with torch.no_grad():
+            model.w.sub_(torch.tensor(outer[rank]))  # as if local steps had moved it by d
+        co2.step()
+        rows.append((co2.anchor_state()["w"].tolist(), co2._momentum[:2].tolist()))
+    co2.finalize()
+    rows.append((co2.anchor_state()["w"].tolist(), co2._momentum[:2].tolist()))
+    return rows
+
+
+def ddp_versus_co2(rank: int, world: int, steps: int = 6) -> dict:
+    """tau 1, no overlap, alpha 1, beta 0, SGD: CO2 should be DDP with SGD."""
+    ddp_model = TinyNet(seed=0, batchnorm=False)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model)
+    ddp_opt = make_optimizer(ddp_model, "sgd")
+    model = TinyNet(seed=0, batchnorm=False)
+    opt = make_optimizer(model, "sgd")
+    co2 = CO2(model, CO2Config(co2_local_steps=1, co2_overlap=False, co2_outer_momentum=0.0))
+    for step in range(steps):
+        for m, o in ((ddp, ddp_opt), (model, opt)):
+            o.zero_grad()
+            loss_on(m, rank, step).backward()
+            o.step()
+        co2.step()
+    return {"ddp": dict(ddp_model.named_parameters()), "co2": dict(model.named_parameters())}
+
+
+def wire_dtypes(rank: int, world: int) -> dict:
+    """The same short run with fp32 and bf16 on the (real gloo) wire."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = train_engine(rank, world, dict(co2_local_steps=2, co2_comm_dtype=dtype), 7)
+    return out
+
+
+# ---------------------------------------------------------------- stop and resume in fresh processes
+
+RESUME_CFG = dict(co2_local_steps=4, co2_outer_momentum=0.5, co2_clip_threshold=1.0)
+RESUME_STEPS, STOP_AT = 20, 10  # boundaries after steps 4 and 8: step 10 is mid-round, in flight
+
+
+def _step(model, optimizer, co2, rank, step):
+    optimizer.zero_grad()
+    loss_on(model, rank, step).backward()
+    optimizer.step()
+    co2.step()
+
+
+def _final(model: nn.Module, co2: CO2) -> dict:
+    co2.finalize()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_then_stop(rank: int, world: int, save_path: str) -> dict:
+    """An uninterrupted run, then a run stopped mid-round whose state is saved per rank."""
+    model = TinyNet(seed=rank)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, CO2Config(**RESUME_CFG), optimizer=optimizer)
+    for step in range(RESUME_STEPS):
+        _step(model, optimizer, co2, rank, step)
+        if step == 6 and rank == 0:
+            co2.state_dict()  # one rank alone: state_dict issues no collective
+    uninterrupted = _final(model, co2)
+
+    model = TinyNet(seed=rank)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, CO2Config(**RESUME_CFG), optimizer=optimizer)
+    for step in range(STOP_AT):
+        _step(model, optimizer, co2, rank, step)
+    assert co2._pending is not None, "the test must stop with an all-reduce in flight"
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "co2": co2.state_dict()},
+        f"{save_path}.rank{rank}",
+    )
+    return uninterrupted
+
+
+def resume(rank: int, world: int, save_path: str) -> dict:
+    """Fresh processes: build everything anew (other init), load the rank's state, finish."""
+    model = TinyNet(seed=100 + rank)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, CO2Config(**RESUME_CFG), optimizer=optimizer)
+    saved = torch.load(f"{save_path}.rank{rank}", weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    co2.load_state_dict(saved["co2"])
+    for step in range(STOP_AT, RESUME_STEPS):
+        _step(model, optimizer, co2, rank, step)
+    return _final(model, co2)

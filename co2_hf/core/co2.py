@@ -98,6 +98,7 @@ class CO2(CheckpointMixin):
         self.skipped_rounds = 0
         self._consecutive_skipped = 0
         self._last_wait_s = 0.0
+        self.last_comm_s = 0.0  # launch-to-completion of the last all-reduce received (this rank)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._param_pieces = self._index_param_pieces()
         self._take_anchor()
@@ -121,6 +122,11 @@ class CO2(CheckpointMixin):
             return False
         self._boundary()
         return True
+
+    @property
+    def last_wait_s(self) -> float:
+        """Seconds this rank was blocked waiting at the last boundary (exposed communication)."""
+        return self._last_wait_s
 
     @property
     def in_warmup(self) -> bool:
@@ -240,7 +246,8 @@ class CO2(CheckpointMixin):
                     f"stalled): {error}"
                 ) from error
         self._last_wait_s = time.perf_counter() - start if record else 0.0
-        self._metrics["comm_s"].append(pending.comm_seconds())
+        self.last_comm_s = pending.comm_seconds()
+        self._metrics["comm_s"].append(self.last_comm_s)
         if self._wire is not self._buf:
             self._buf.copy_(self._wire)
         self._have_d = self._unpack_header()

@@ -1,0 +1,74 @@
+"""Every invalid CO2Config value is refused with a message naming the field, value and range."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from co2_hf import CO2Config
+
+pytestmark = pytest.mark.timeout(30)
+
+# field, bad value, words the message must contain (besides the field name and the value)
+INVALID = [
+    ("co2_enabled", "yes", "True or False"),
+    ("co2_local_steps", 0, "integer >= 1"),
+    ("co2_local_steps", 2.5, "integer >= 1"),
+    ("co2_local_steps", True, "integer >= 1"),
+    ("co2_outer_lr", 0.0, "> 0"),
+    ("co2_outer_lr", float("nan"), "> 0"),
+    ("co2_outer_momentum", 1.0, "[0, 1)"),
+    ("co2_outer_momentum", -0.1, "[0, 1)"),
+    ("co2_nesterov", 1, "True or False"),
+    ("co2_overlap", None, "True or False"),
+    ("co2_start_rule", "latest", "'anchor', 'eager'"),
+    ("co2_gap_penalty", -1.0, ">= 0"),
+    ("co2_gap_penalty", float("inf"), ">= 0"),
+    ("co2_gap_penalty_mode", "linear", "'gap_aware', 'constant'"),
+    ("co2_clip_threshold", 0.0, "> 0, or None"),
+    ("co2_clip_threshold", -3.0, "> 0, or None"),
+    ("co2_comm_dtype", "float16", "'float32', 'bfloat16'"),
+    ("co2_sync_warmup_steps", -1, "integer >= 0"),
+    ("co2_worker_size", 0, "integer >= 1"),
+    ("co2_state_device", "cuda", "'same', 'cpu'"),
+    ("co2_max_skipped_rounds", -2, "integer >= 0"),
+    ("co2_timeout_s", 0, "> 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "allowed"), INVALID, ids=[f"{n}={v!r}" for n, v, _ in INVALID])
+def test_invalid_value_is_refused_with_its_name_value_and_range(name, value, allowed):
+    with pytest.raises(ValueError) as info:
+        CO2Config(**{name: value})
+    message = str(info.value)
+    assert name in message and repr(value) in message and allowed in message
+
+
+def test_every_knob_is_covered_by_the_refusal_table():
+    covered = {name for name, _, _ in INVALID}
+    assert covered == {f.name for f in dataclasses.fields(CO2Config)}
+
+
+def test_defaults_and_help():
+    cfg = CO2Config()
+    assert (cfg.co2_local_steps, cfg.co2_outer_lr, cfg.co2_outer_momentum) == (12, 1.0, 0.2)
+    assert cfg.co2_overlap and cfg.co2_gap_penalty == 1.0 and cfg.co2_clip_threshold is None
+    assert all(f.metadata.get("help") for f in dataclasses.fields(CO2Config))
+
+
+def test_check_world_needs_worker_size_to_divide_the_world():
+    assert CO2Config(co2_worker_size=2).check_world(8) == 4
+    with pytest.raises(ValueError, match=r"co2_worker_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"):
+        CO2Config(co2_worker_size=3).check_world(8)
+
+
+def test_bfloat16_wire_is_limited_to_256_workers():
+    assert CO2Config(co2_comm_dtype="bfloat16").check_world(256) == 256
+    with pytest.raises(ValueError, match="co2_comm_dtype='bfloat16' supports at most 256 workers"):
+        CO2Config(co2_comm_dtype="bfloat16").check_world(512)
+
+
+def test_co2_dict_round_trips():
+    cfg = CO2Config(co2_local_steps=7, co2_clip_threshold=2.0)
+    assert CO2Config(**cfg.co2_dict()) == cfg

@@ -1,0 +1,263 @@
+"""The engine in one process: launch/wait order, round check, equivalence with local training,
+finalize, evaluation on the anchor, non-finite workers, wire dtype, memory and checkpoint errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from workers import TinyNet, loss_on, make_optimizer
+
+from co2_hf import CO2, CO2Config
+from co2_hf.core.comm import Pending
+from co2_hf.testing import FakeCommunicator
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _train(model, co2, optimizer, steps, start=0):
+    for step in range(start, start + steps):
+        optimizer.zero_grad()
+        loss_on(model, 0, step).backward()
+        co2.average_gradients()
+        optimizer.step()
+        co2.step()
+
+
+def _engine(cfg=None, comm=None, **kw):
+    model = TinyNet(seed=0)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, cfg or CO2Config(**kw), optimizer=optimizer, communicator=comm)
+    return model, optimizer, co2
+
+
+def test_overlapped_boundary_launches_without_waiting_and_waits_once_at_the_next():
+    fake = FakeCommunicator()
+    model, optimizer, co2 = _engine(comm=fake, co2_local_steps=2)
+    _train(model, co2, optimizer, 2)
+    assert fake.events == ["launch"]  # round 0: nothing to wait for
+    _train(model, co2, optimizer, 1, start=2)
+    assert fake.events == ["launch"]  # mid-round: no communication at all
+    _train(model, co2, optimizer, 1, start=3)
+    assert fake.events == ["launch", "wait", "launch"]
+    co2.finalize()
+    assert fake.events == ["launch", "wait", "launch", "wait"]
+
+
+def test_synchronous_boundary_waits_right_after_launching():
+    fake = FakeCommunicator()
+    model, optimizer, co2 = _engine(comm=fake, co2_local_steps=2, co2_overlap=False)
+    _train(model, co2, optimizer, 4)
+    assert fake.events == ["launch", "wait", "launch", "wait"]
+
+
+def test_a_pending_all_reduce_cannot_be_waited_twice():
+    pending = Pending(torch.zeros(1))
+    pending.mark_waited()
+    with pytest.raises(RuntimeError, match="waited twice"):
+        pending.mark_waited()
+
+
+def test_round_index_mismatch_raises():
+    def corrupt(buf):  # another rank sent round 1 where this one sent round 0
+        buf[-2] += 1.0  # a round bit slot (the last slot is the one worker's wait time)
+
+    fake = FakeCommunicator(on_reduce=corrupt)
+    model, optimizer, co2 = _engine(comm=fake, co2_local_steps=1)
+    _train(model, co2, optimizer, 1)
+    with pytest.raises(RuntimeError, match="ranks out of step at round 0"):
+        _train(model, co2, optimizer, 1, start=1)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_one_worker_synchronous_plain_average_equals_local_training(opt):
+    torch.manual_seed(0)
+    plain = TinyNet(seed=0)
+    plain_opt = make_optimizer(plain, opt)
+    model = TinyNet(seed=0)
+    optimizer = make_optimizer(model, opt)
+    co2 = CO2(
+        model,
+        CO2Config(co2_local_steps=3, co2_overlap=False, co2_outer_lr=1.0, co2_outer_momentum=0.0),
+        optimizer=optimizer,
+    )
+    for step in range(10):
+        for m, o in ((plain, plain_opt), (model, optimizer)):
+            o.zero_grad()
+            loss_on(m, 0, step).backward()
+            o.step()
+        co2.step()
+    co2.finalize()
+    for (name, want), got in zip(plain.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_finalize_applies_the_partial_round_and_the_in_flight_average():
+    """One worker, alpha 1, beta 0, no penalty: the final anchor is a_0 minus every round's d."""
+    fake = FakeCommunicator()
+    model, optimizer, co2 = _engine(comm=fake, co2_local_steps=4, co2_outer_momentum=0.0, co2_gap_penalty=0.0)
+    expected = co2.anchor_state()["hidden.weight"].clone()
+    round_start = None
+    for step in range(6):  # a whole round and half of the next
+        if co2.round_step == 0:
+            round_start = model.hidden.weight.detach().clone()
+        optimizer.zero_grad()
+        loss_on(model, 0, step).backward()
+        optimizer.step()
+        if co2.round_step == 3 or step == 5:  # this round's outer gradient d = start - x
+            expected -= round_start - model.hidden.weight.detach()
+        co2.step()
+    assert co2.round_step == 2
+    co2.finalize()
+    torch.testing.assert_close(co2.anchor_state()["hidden.weight"], expected, rtol=1e-5, atol=1e-6)
+    for name, value in co2.anchor_state().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert (co2.round, co2.round_step) == (0, 0)
+    events = len(fake.events)
+    _train(model, co2, optimizer, 4, start=6)  # the next boundary has nothing to wait for
+    assert fake.events[events:] == ["launch"]
+
+
+def test_one_worker_eager_rule_equals_local_training():
+    """Under the eager rule a lone worker keeps its own progress: it is plain local training."""
+    plain = TinyNet(seed=0)
+    plain_opt = make_optimizer(plain)
+    model, optimizer, co2 = _engine(
+        co2_local_steps=3, co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0
+    )
+    for step in range(11):
+        for m, o in ((plain, plain_opt), (model, optimizer)):
+            o.zero_grad()
+            loss_on(m, 0, step).backward()
+            o.step()
+        co2.step()
+        torch.testing.assert_close(model.hidden.weight, plain.hidden.weight, rtol=1e-5, atol=1e-6)
+    co2.finalize()
+    # parameters only: buffers are set to the previous boundary's mean, so they lag one round
+    for (name, want), got in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_evaluation_on_the_anchor_copies_nothing_and_consumes_no_random_numbers():
+    model, optimizer, co2 = _engine(co2_local_steps=3)
+    _train(model, co2, optimizer, 4)
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    anchor = co2.anchor_state()
+    assert anchor["emb.weight"].data_ptr() == co2._anchor.data_ptr()  # a view, not a copy
+    assert anchor["out.weight"] is anchor["emb.weight"]  # tied names share one tensor
+    with torch.no_grad():
+        out = torch.func.functional_call(model.eval(), anchor, (torch.zeros(2, 4, dtype=torch.long),))
+    model.train()
+    assert out.shape == (2, 16)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, live[name]), name
+    assert not torch.equal(anchor["hidden.weight"], live["hidden.weight"])
+
+
+def test_non_finite_worker_is_quarantined_and_repeated_failure_stops_training():
+    model, optimizer, co2 = _engine(co2_local_steps=2, co2_max_skipped_rounds=2)
+    _train(model, co2, optimizer, 2)
+    anchor = co2.anchor_state()["hidden.weight"].clone()
+    with torch.no_grad():
+        model.hidden.weight[0, 0] = float("nan")
+    _train(model, co2, optimizer, 2, start=2)  # boundary 1: this worker sends nothing
+    assert torch.isfinite(model.hidden.weight).all()
+    assert len(optimizer.state) == 0  # Adam moments were cleared
+    with torch.no_grad():
+        model.hidden.weight[0, 0] = float("inf")
+    _train(model, co2, optimizer, 2, start=4)  # boundary 2 receives round 1: no finite worker
+    assert co2.skipped_rounds == 1
+    assert co2.pop_metrics()["co2/skipped_rounds"] == 1.0
+    assert torch.isfinite(co2.anchor_state()["hidden.weight"]).all()
+    del anchor
+    with pytest.raises(RuntimeError, match="co2_max_skipped_rounds=2"):
+        _train(model, co2, optimizer, 2, start=6)
+
+
+def test_amp_skipped_steps_count_as_inner_steps():
+    model, optimizer, co2 = _engine(co2_local_steps=3)
+    co2.step(skipped=True)
+    co2.step()
+    assert co2.step(skipped=True)  # the third call is the boundary
+    assert co2.pop_metrics()["co2/amp_skipped_steps"] == 2.0
+
+
+def test_metrics_after_rounds():
+    slow = FakeCommunicator(delay_s=0.005)
+    model, optimizer, co2 = _engine(comm=slow, co2_local_steps=2, co2_clip_threshold=1e-3)
+    _train(model, co2, optimizer, 6)
+    metrics = co2.pop_metrics()
+    for key in (
+        "comm_wait_s",
+        "comm_s",
+        "hidden_frac",
+        "outer_grad_norm",
+        "momentum_norm",
+        "clip_ratio",
+        "penalty_mean",
+        "amp_skipped_steps",
+        "skipped_rounds",
+    ):
+        assert f"co2/{key}" in metrics, key
+    assert metrics["co2/clip_ratio"] < 1.0
+    assert metrics["co2/momentum_norm"] == pytest.approx(1e-3, rel=1e-4)
+    assert set(co2.pop_metrics()) == {"co2/amp_skipped_steps", "co2/skipped_rounds"}
+
+
+def test_outer_state_is_twelve_bytes_per_parameter_plus_two_for_bfloat16():
+    _, _, fp32 = _engine()
+    n = fp32.layout.padded_numel
+    header = fp32._buf.numel() - n
+    assert fp32.outer_state_nbytes() == 12 * n + 4 * header
+    _, _, bf16 = _engine(co2_comm_dtype="bfloat16")
+    assert bf16.outer_state_nbytes() == 12 * n + 4 * header + 2 * (n + header)
+    _, _, eager = _engine(co2_start_rule="eager")
+    assert eager.outer_state_nbytes() == 12 * n + 4 * header + 4 * eager.layout.param_numel
+
+
+def test_bfloat16_on_the_wire_keeps_fp32_state_and_stays_close():
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        model, optimizer, co2 = _engine(co2_local_steps=2, co2_comm_dtype=dtype)
+        _train(model, co2, optimizer, 8)
+        co2.finalize()
+        assert co2._anchor.dtype == torch.float32
+        results[dtype] = co2.anchor_state()["hidden.weight"].clone()
+    torch.testing.assert_close(results["bfloat16"], results["float32"], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(results["bfloat16"], results["float32"])
+
+
+def test_state_device_cpu_places_the_outer_state_in_host_memory():
+    _, _, co2 = _engine(co2_state_device="cpu")
+    assert {t.device.type for t in (co2._anchor, co2._momentum, co2._buf)} == {"cpu"}
+
+
+def test_engine_refuses_disabled_config_and_unsupported_worker_size():
+    with pytest.raises(ValueError, match="co2_enabled=False"):
+        CO2(nn.Linear(2, 2), CO2Config(co2_enabled=False))
+    with pytest.raises(ValueError, match="co2_worker_size=2"):
+        CO2(nn.Linear(2, 2), CO2Config(co2_worker_size=2))
+
+
+def test_load_state_dict_refuses_other_settings_or_another_model():
+    _, _, co2 = _engine(co2_local_steps=3)
+    state = co2.state_dict()
+    _, _, other = _engine(co2_local_steps=4)
+    with pytest.raises(ValueError, match="co2_local_steps: checkpoint 3, now 4"):
+        other.load_state_dict(state)
+    different = CO2(nn.Linear(2, 2), CO2Config(co2_local_steps=3))
+    with pytest.raises(ValueError, match="layout"):
+        different.load_state_dict(state)
+    _, _, patient = _engine(co2_local_steps=3, co2_timeout_s=60.0)
+    patient.load_state_dict(state)  # a different timeout does not change the trajectory
+
+
+def test_frozen_parameters_and_integer_buffers_are_not_synchronised():
+    _, _, co2 = _engine()
+    names = {n for segment in co2.layout.segments for n in segment.names}
+    assert "frozen.weight" not in names and "norm.num_batches_tracked" not in names
+    assert {"emb.weight", "out.weight", "norm.running_mean"} <= names
+    emb = next(s for s in co2.layout.segments if "emb.weight" in s.names)
+    assert emb.names == ["emb.weight", "out.weight"]  # tied: one segment
