@@ -1,0 +1,222 @@
+"""CO2Trainer with 2 gloo processes and a tiny GPT-2 built from a config (no downloads)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from distributed import run_processes
+from trainer_workers import STOP_AT, dataset, make_args, resumed, tiny_gpt2, two_process_suite
+
+from co2_hf import CO2Trainer, CO2TrainingArguments
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trainer"))
+    return out, run_processes(two_process_suite, 2, out, timeout_s=200)
+
+
+@pytest.mark.timeout(240)
+def test_no_collective_on_the_default_group_during_local_steps(suite):
+    _, ranks = suite
+    for result in (r["co2"] for r in ranks):
+        assert result["world"] == 2
+        assert result["wrapped"] == "GPT2LMHeadModel"  # not DistributedDataParallel
+        assert result["windows"] and all(n == 0 for n in result["windows"]), result["windows"]
+
+
+@pytest.mark.timeout(240)
+def test_anchors_are_equal_across_ranks_after_every_round(suite):
+    _, ranks = suite
+    first, second = ranks[0]["co2"], ranks[1]["co2"]
+    assert len(first["anchor_sums"]) == 3  # boundaries after steps 4, 8 and 12
+    assert first["anchor_sums"] == second["anchor_sums"]
+    for name, value in first["final"].items():
+        assert torch.equal(value, second["final"][name]), name
+
+
+@pytest.mark.timeout(240)
+def test_co2_metrics_reach_the_log_history(suite):
+    _, ranks = suite
+    history = ranks[0]["co2"]["log_history"]
+    logs = [entry for entry in history if "loss" in entry]
+    later = logs[-1]
+    for key in (
+        "comm_wait_s",
+        "comm_s",
+        "hidden_frac",
+        "outer_grad_norm",
+        "momentum_norm",
+        "clip_ratio",
+        "penalty_mean",
+        "amp_skipped_steps",
+        "skipped_rounds",
+    ):
+        assert f"co2/{key}" in later, key
+    assert any("eval_loss" in entry for entry in history[:-2])  # evaluated mid-run
+
+
+@pytest.mark.timeout(240)
+def test_saved_folder_is_the_anchor_and_loads_with_from_pretrained(suite):
+    out, ranks = suite
+    folder = os.path.join(out, "co2")
+    for name in ("config.json", "model.safetensors", "co2_config.json", "README.md", "training_args.bin"):
+        assert os.path.exists(os.path.join(folder, name)), name
+    result = ranks[0]["co2"]
+    assert result["eval_loaded"] == pytest.approx(result["eval_trained"], abs=1e-6)
+    with open(os.path.join(folder, "co2_config.json")) as f:
+        saved = json.load(f)
+    assert saved["co2_local_steps"] == 4 and saved["world_size"] == 2 and saved["num_workers"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_model_card_has_tags_hyperparameters_and_citation(suite):
+    out, _ = suite
+    text = open(os.path.join(out, "co2", "README.md")).read()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert {"co2", "arxiv:2401.16265"} <= set(meta["tags"])
+    assert meta["co2"]["co2_local_steps"] == 4 and meta["co2"]["world_size"] == 2
+    assert "2401.16265" in text and "@inproceedings{sun2024co2" in text
+    assert "| `co2_outer_momentum` | `0.2` |" in text
+
+
+@pytest.mark.timeout(240)
+def test_co2_disabled_is_the_plain_trainer(suite):
+    _, ranks = suite
+    for result in ranks:
+        assert result["disabled"]["wrapped"] == "DistributedDataParallel"
+        assert result["disabled"]["disabled"] == result["disabled"]["plain"]
+        assert len(result["disabled"]["plain"]) == 12
+
+
+@pytest.mark.timeout(240)
+def test_stopped_mid_round_and_resumed_is_bit_identical(suite):
+    out, ranks = suite
+    assert ranks[0]["resume"]["stopped_at"] == STOP_AT
+    checkpoint = os.path.join(out, "resume", f"checkpoint-{STOP_AT}")
+    assert sorted(f for f in os.listdir(checkpoint) if f.startswith("co2_rank")) == ["co2_rank0.pt", "co2_rank1.pt"]
+    final = run_processes(resumed, 2, os.path.join(out, "resume"), timeout_s=150)
+    for rank in (0, 1):
+        for name, value in ranks[rank]["resume"]["full"].items():
+            assert torch.equal(final[rank][name], value), (rank, name)
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_model_files_hold_the_anchor(suite):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = suite
+    checkpoint = os.path.join(out, "resume", f"checkpoint-{STOP_AT}")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    state = torch.load(os.path.join(checkpoint, "co2_rank0.pt"), weights_only=False)
+    anchor, local = state["co2"]["anchor"], state["model"]
+    wte = model.transformer.wte.weight.detach().reshape(-1)
+    assert torch.equal(wte, anchor[: wte.numel()])  # the first synchronised tensor
+    assert not torch.equal(local["transformer.wte.weight"].reshape(-1), wte)  # mid-round: local != anchor
+
+
+# ---------------------------------------------------------------- single process: refusals and the Hub
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_other_settings_or_world_size_is_refused(suite, tmp_path):
+    out, _ = suite
+    two_rank_checkpoint = os.path.join(out, "resume", f"checkpoint-{STOP_AT}")
+    trainer = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path / "a")), train_dataset=dataset())
+    with pytest.raises(ValueError, match="saved by 2 processes and this run has 1"):
+        trainer.train(resume_from_checkpoint=two_rank_checkpoint)
+    one = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(str(tmp_path / "b"), save_strategy="steps", save_steps=6),
+        train_dataset=dataset(),
+    )
+    one.train()
+    other = CO2Trainer(
+        model=tiny_gpt2(), args=make_args(str(tmp_path / "b"), co2_local_steps=5), train_dataset=dataset()
+    )
+    with pytest.raises(ValueError, match="co2_local_steps: checkpoint 4, now 5"):
+        other.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-6"))
+
+
+@pytest.mark.timeout(120)
+def test_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
+    args = make_args(str(tmp_path), save_strategy="steps", save_steps=6, save_only_model=True)
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
+    trainer = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path)), train_dataset=dataset())
+    with pytest.raises(ValueError, match="save_only_model"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(deepspeed={"train_batch_size": 8}), "CO2 does not support DeepSpeed"),
+        (dict(fsdp="full_shard"), "CO2 does not support FSDP"),
+        (dict(include_num_input_tokens_seen="all"), "include_num_input_tokens_seen='all'"),
+        (dict(accelerator_config={"dispatch_batches": True}), "dispatch_batches=True"),
+        (dict(co2_local_steps=0), "co2_local_steps=0"),
+    ],
+)
+def test_unsupported_settings_are_refused_before_training(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_args(str(tmp_path), **overrides)
+
+
+@pytest.mark.timeout(60)
+def test_hub_checkpoint_strategy_warns_and_flags_parse(tmp_path):
+    from transformers import HfArgumentParser
+
+    with pytest.warns(UserWarning, match="every rank's local parameters"):
+        make_args(str(tmp_path), hub_strategy="checkpoint")
+    (args,) = HfArgumentParser(CO2TrainingArguments).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--co2_local_steps",
+            "12",
+            "--co2_outer_momentum",
+            "0.5",
+            "--co2_clip_threshold",
+            "1.0",
+            "--co2_start_rule",
+            "eager",
+            "--learning_rate",
+            "1e-4",
+        ]
+    )
+    assert (args.co2_local_steps, args.co2_outer_momentum, args.co2_start_rule) == (12, 0.5, "eager")
+    assert args.average_tokens_across_devices is False
+    with pytest.raises(SystemExit):  # argparse names the flag and the allowed choices
+        HfArgumentParser(CO2TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--co2_start_rule", "latest"]
+        )
+
+
+@pytest.mark.timeout(120)
+def test_push_to_hub_uploads_the_anchor_folder_with_the_card(tmp_path, monkeypatch):
+    import transformers.trainer as trainer_module
+
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return type("Url", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, *, repo_id, folder_path, **kwargs):
+            files = sorted(os.listdir(folder_path))
+            uploads.append((repo_id, files, open(os.path.join(folder_path, "README.md")).read()))
+
+    monkeypatch.setattr(trainer_module, "hf_api", lambda: FakeApi())
+    args = make_args(str(tmp_path), push_to_hub=True, hub_model_id="someone/co2-tiny")
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    trainer.train()
+    trainer.push_to_hub()
+    repo, files, card = uploads[-1]
+    assert repo == "someone/co2-tiny"
+    assert {"config.json", "model.safetensors", "co2_config.json", "README.md"} <= set(files)
+    assert "arxiv:2401.16265" in card and "## Trained with CO2" in card

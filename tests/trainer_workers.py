@@ -1,0 +1,210 @@
+"""Per-rank Trainer runs for tests/test_trainer.py: a tiny GPT-2 built from a config, no downloads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TAU = 4
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    )
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def dataset(n: int = 256, seq: int = 16, seed: int = 0):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 64, (n, 1), generator=g)
+    ids = (base + torch.arange(seq)) % 64  # counting sequences: learnable
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def make_args(output_dir: str, **overrides):
+    from co2_hf import CO2TrainingArguments
+
+    kwargs = dict(
+        output_dir=output_dir,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=4,
+        report_to="none",
+        seed=0,
+        save_strategy="no",
+        eval_strategy="no",
+        per_device_eval_batch_size=8,
+        co2_local_steps=TAU,
+        disable_tqdm=True,
+        use_cpu=True,
+        lr_scheduler_type="constant",
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return CO2TrainingArguments(**kwargs)
+
+
+class SequenceProbe:
+    """Default-group collectives (C++ ones included) issued during local steps, per logging window,
+    and a checksum of the anchor after every round boundary."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Probe(TrainerCallback):
+            def __init__(self):
+                self.windows, self.anchor_sums, self._start, self.trainer = [], [], None, None
+
+            @staticmethod
+            def _seq():
+                import torch.distributed as dist
+
+                return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if "loss" in (logs or {}):
+                    self._start = self._seq()  # after the logging step's own gathers
+
+            def on_evaluate(self, args, state, control, **kw):
+                if self._start is not None:  # evaluation is not a local step: restart the window
+                    self._start = self._seq()
+
+            def on_step_end(self, args, state, control, **kw):
+                co2 = self.trainer.co2
+                if co2 is not None and co2.round_step == 0:
+                    self.anchor_sums.append(float(co2._anchor.double().sum()))
+                # just before the next logging step gathers its loss: the window held local steps only
+                if self._start is not None and state.global_step % args.logging_steps == 0:
+                    self.windows.append(self._seq() - self._start)
+                    self._start = None
+
+        return _Probe()
+
+
+def co2_run(rank: int, world: int, out: str) -> dict:
+    """Train with CO2, evaluating during training, then save; report what the tests check."""
+    from transformers import AutoModelForCausalLM
+
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    probe = SequenceProbe()
+    args = make_args(out, eval_strategy="steps", eval_steps=4)
+    trainer = CO2Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(64, seed=1), callbacks=[probe]
+    )
+    probe.trainer = trainer
+    trainer.train()
+    eval_trained = trainer.evaluate()["eval_loss"]
+    trainer.save_model(out)
+    torch.distributed.barrier()  # rank 0 writes the folder
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    plain_eval = CO2Trainer(
+        model=loaded, args=make_args(out + "_eval", co2_enabled=False), eval_dataset=dataset(64, seed=1)
+    )
+    return {
+        "windows": probe.windows,
+        "anchor_sums": probe.anchor_sums,
+        "log_history": trainer.state.log_history,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "final": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+        "eval_trained": eval_trained,
+        "eval_loaded": plain_eval.evaluate()["eval_loss"],
+        "world": torch.distributed.get_world_size(),
+    }
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def disabled_versus_plain(rank: int, world: int, out: str) -> dict:
+    """--co2_enabled false must be the plain Trainer: same data parallel loss curve."""
+    from transformers import Trainer, TrainingArguments
+
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    disabled = CO2Trainer(
+        model=tiny_gpt2(), args=make_args(out + "_off", co2_enabled=False, logging_steps=1), train_dataset=dataset()
+    )
+    disabled.train()
+    plain_args = {k: v for k, v in vars(make_args(out + "_plain", logging_steps=1)).items()}
+    plain_kwargs = {
+        f: plain_args[f]
+        for f in TrainingArguments.__dataclass_fields__
+        if f in plain_args and TrainingArguments.__dataclass_fields__[f].init
+    }
+    plain = Trainer(model=tiny_gpt2(), args=TrainingArguments(**plain_kwargs), train_dataset=dataset())
+    plain.train()
+    return {"disabled": _losses(disabled), "plain": _losses(plain), "wrapped": type(disabled.model_wrapped).__name__}
+
+
+class _StopAt:
+    def __new__(cls, step: int):
+        from transformers import TrainerCallback
+
+        class _Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step == step:
+                    control.should_training_stop = True
+
+        return _Stop()
+
+
+STOP_AT = 6  # boundaries after steps 4 and 8: step 6 is mid-round with the all-reduce in flight
+
+
+def uninterrupted_and_stopped(rank: int, world: int, out: str) -> dict:
+    """An uninterrupted run, and one that saves at step 6 and is stopped there by a callback."""
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    full = CO2Trainer(model=tiny_gpt2(), args=make_args(out + "_full"), train_dataset=dataset())
+    full.train()
+    stopped = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(out, save_strategy="steps", save_steps=STOP_AT),
+        train_dataset=dataset(),
+        callbacks=[_StopAt(STOP_AT)],
+    )
+    stopped.train()
+    return {
+        "full": {k: v.clone() for k, v in full.model.state_dict().items()},
+        "stopped_at": stopped.state.global_step,
+    }
+
+
+def resumed(rank: int, world: int, out: str) -> dict:
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    torch.manual_seed(1234)  # a different process state: the checkpoint must restore everything
+    trainer = CO2Trainer(model=tiny_gpt2(), args=make_args(out), train_dataset=dataset())
+    trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{STOP_AT}")
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def two_process_suite(rank: int, world: int, out: str) -> dict:
+    return {
+        "co2": co2_run(rank, world, out + "/co2"),
+        "disabled": disabled_versus_plain(rank, world, out + "/dp"),
+        "resume": uninterrupted_and_stopped(rank, world, out + "/resume"),
+    }
