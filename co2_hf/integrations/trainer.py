@@ -43,6 +43,7 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
     def __post_init__(self) -> None:
         # CO2's own checks first: they need no device and no process group
         self.validate_co2()
+        _use_cpu_without_accelerator(self)
         if self.co2_enabled:
             self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
             _refuse_unsupported(self)
@@ -55,6 +56,15 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
                     "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
                     stacklevel=2,
                 )
+
+
+def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
+    """Launched as several processes on a machine without GPUs, TrainingArguments would otherwise
+    set up one independent process each (world size 1): every replica would train alone."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not args.use_cpu and not torch.accelerator.is_available():
+        logger.warning("no GPU or other accelerator found: training on the CPU (use_cpu=True)")
+        args.use_cpu = True
 
 
 def _refuse_unsupported(args: CO2TrainingArguments) -> None:
@@ -110,6 +120,12 @@ class CO2Trainer(Trainer):
         super().__init__(*args, **kwargs)
         if not all(hasattr(self.args, f.name) for f in dataclasses.fields(CO2Config)):
             raise TypeError("CO2Trainer needs CO2TrainingArguments (or any args with the co2_* fields)")
+        expected = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.args.world_size != expected:
+            raise RuntimeError(
+                f"WORLD_SIZE={expected} but the Trainer set up {self.args.world_size} process(es): "
+                "each would train alone. Pass --use_cpu on a machine without GPUs."
+            )
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
         if self.co2_config is not None:

@@ -1,0 +1,38 @@
+"""The documented CPU launch command really starts two distributed processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_launch_with_the_cpu_config_runs_two_processes(tmp_path):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(ROOT / "recipes/accelerate_configs/cpu_2proc.yaml"),
+        "--main_process_port",
+        "29517",
+        str(ROOT / "recipes/accelerate_loop.py"),
+        "--max_steps",
+        "8",
+        "--co2_local_steps",
+        "4",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^2 processes, tau=4", result.stdout, re.M), result.stdout
+    assert (tmp_path / "out" / "model.safetensors").exists()
