@@ -1,0 +1,82 @@
+"""Pieces both recipes share: launch defaults, the loss plot, the results summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from transformers import TrainerCallback
+
+# What the recipes set when the command line does not: a short CPU-friendly run that evaluates
+# and logs often enough for a readable curve. Every one can be overridden by its flag.
+TRAINING_DEFAULTS = dict(
+    report_to="none",
+    logging_steps=10,
+    eval_strategy="steps",
+    eval_steps=50,
+    save_strategy="no",
+    lr_scheduler_type="cosine",
+    warmup_steps=20,
+    seed=42,
+    disable_tqdm=True,
+)
+
+
+def plot_curves(log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss") -> str:
+    """Training loss and the evaluated metric against optimizer steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
+    evals = [(e["step"], e[metric]) for e in log_history if metric in e]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="training loss (mean over workers)", alpha=0.6)
+    if evals and metric.endswith("loss"):
+        ax.plot(*zip(*evals), marker="o", label=f"{metric} (anchor)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.set_title(title)
+    if evals and not metric.endswith("loss"):
+        twin = ax.twinx()
+        twin.plot(*zip(*evals), marker="o", color="C1", label=metric)
+        twin.set_ylabel(metric)
+        twin.legend(loc="center right")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_run_summary(output_dir: str, args, extra: dict) -> None:
+    """``run_summary.json``: what compare_methods.py reads (settings, wall time, world size)."""
+    summary = {"co2": {k: v for k, v in vars(args).items() if k.startswith("co2_")}, **extra}
+    with open(os.path.join(output_dir, "run_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True, default=str)
+
+
+class WallClock(TrainerCallback):
+    """Writes ``wall_clock.json``: seconds since training began at each evaluation, so
+    compare_methods.py can plot quality against time as well as against steps."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir, self.start, self.points = output_dir, None, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.start is not None:  # not the evaluations after training
+            self.points.append(
+                {"step": state.global_step, "wall_s": time.perf_counter() - self.start, **(metrics or {})}
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            with open(os.path.join(self.output_dir, "wall_clock.json"), "w") as f:
+                json.dump(self.points, f, indent=1)

@@ -1,0 +1,110 @@
+"""The recipes on their offline defaults with 2 processes, through compare_methods.py (which is thus
+smoke-tested too), and the paper-scale commands of recipes/README.md as dry runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+
+def _compare(tmp_path: Path, recipe: str, methods: list[str], *extra: str, port: int) -> list[dict]:
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/compare_methods.py"),
+        "--recipe",
+        recipe,
+        "--methods",
+        *methods,
+        "--seeds",
+        "0",
+        "--max_steps",
+        "4",
+        "--port",
+        str(port),
+        "--timeout_s",
+        "150",
+        "--out",
+        str(tmp_path),
+        "--",
+        "--eval_steps",
+        "2",
+        *extra,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    return [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_gpt_recipe_offline_default_two_processes(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (line,) = _compare(
+        tmp_path,
+        "gpt",
+        ["co2"],
+        "--max_eval_samples",
+        "8",
+        "--vocab_size",
+        "512",
+        "--co2_local_steps",
+        "2",
+        port=29561,
+    )
+    assert line["world_size"] == 2 and line["max_steps"] == 4 and line["perplexity"] > 1
+    folder = tmp_path / "co2_seed0"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # the trained BPE travels with the model
+    assert model.config.vocab_size == len(tokenizer) <= 512
+    results = json.loads((folder / "all_results.json").read_text())
+    assert {"eval_loss", "perplexity", "train_runtime"} <= set(results)
+    assert (folder / "loss_curve.png").exists() and (folder / "README.md").exists()
+
+
+@pytest.mark.timeout(180)
+def test_vit_recipe_offline_default_and_method_comparison(tmp_path):
+    from transformers import ViTForImageClassification
+
+    lines = _compare(tmp_path, "vit", ["dp", "local_sgd"], "--co2_local_steps", "2", port=29562)
+    assert [line["method"] for line in lines] == ["dp", "local_sgd"]
+    assert all(0 <= line["eval_accuracy"] <= 1 and line["world_size"] == 2 for line in lines)
+    model = ViTForImageClassification.from_pretrained(tmp_path / "local_sgd_seed0")
+    assert model.config.num_labels == 10
+    summary = json.loads((tmp_path / "local_sgd_seed0" / "run_summary.json").read_text())
+    assert summary["co2"]["co2_overlap"] is False and summary["co2"]["co2_outer_momentum"] == 0.0
+
+
+def _readme_commands(marker: str) -> list[list[str]]:
+    """The paper-scale commands of recipes/README.md (one per line, after ``recipes/<script>``)."""
+    text = (ROOT / "recipes/README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(rf"recipes/{marker}\s+([^\n`]*)", text)
+    return [c.split() for c in commands if "--dataset_name" in c]
+
+
+@pytest.mark.timeout(60)
+def test_paper_scale_commands_parse_and_build_their_config(capsys):
+    import finetune_vit
+    import pretrain_gpt
+
+    gpt = _readme_commands("pretrain_gpt.py")
+    vit = _readme_commands("finetune_vit.py")
+    assert len(gpt) >= 2 and len(vit) >= 1
+    # --use_cpu: TrainingArguments checks --bf16 against this machine, which has no GPU
+    local = ["--dry_run", "--use_cpu", "--output_dir", "/tmp/co2_dry_run"]
+    for argv in gpt:
+        pretrain_gpt.main([*argv, *local])
+    for argv in vit:
+        finetune_vit.main([*argv, *local])
+    out = capsys.readouterr().out
+    assert "GPT-2 small n_embd=768 n_layer=12 ~124M" in out
+    assert "co2_local_steps=12" in out and "co2_local_steps=48" in out
+    assert "ViT hidden=768 layers=12 image=224 patch=16" in out or "dry run: ViT" in out
