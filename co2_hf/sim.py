@@ -1,0 +1,167 @@
+"""Simulate G CO2 workers in one process, driving the real engine (for sweeps and tests).
+
+Every worker has its own model, optimizer and `CO2` engine; a `SimulatedNetwork` stands in for the
+process group, so the code path measured is the shipped one. Workers compute one after another;
+only the ``CO2.step()`` calls of a step run in a thread per worker, because a blocking all-reduce
+(synchronous mode, warm-up) must wait for the other workers' contributions. Sums are taken in
+worker order, so a simulation is deterministic.
+
+    result = train_simulated(workers=4, config=CO2Config(...), task=task, steps=600, eval_every=50)
+
+``config=None`` trains the data-parallel baseline: one model whose gradient is the mean of the
+workers' micro-batch gradients, exactly what DDP computes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import CO2Config
+from .core import CO2
+from .core.comm import Communicator, Pending
+
+
+class SimulatedNetwork:
+    """The collectives of G workers, matched by call order: the k-th launch of every worker
+    belongs to the same all-reduce, as on a real process group."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._cond = threading.Condition()
+        self._deposits: dict[tuple, dict[int, Tensor]] = {}
+
+    def communicator(self, index: int) -> SimulatedCommunicator:
+        return SimulatedCommunicator(self, index)
+
+    def deposit(self, key: tuple, index: int, tensor: Tensor) -> None:
+        with self._cond:
+            self._deposits.setdefault(key, {})[index] = tensor.detach().clone()
+            self._cond.notify_all()
+
+    def collect(self, key: tuple, timeout_s: float) -> list[Tensor]:
+        """Every worker's deposit for ``key``, in worker order, once all have arrived."""
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: len(self._deposits.get(key, {})) == self.num_workers, timeout_s)
+            if not arrived:
+                raise RuntimeError(f"simulated collective {key} timed out after {timeout_s}s")
+            return [self._deposits[key][i] for i in range(self.num_workers)]
+
+
+class SimulatedCommunicator(Communicator):
+    def __init__(self, network: SimulatedNetwork, index: int) -> None:
+        self.network, self.worker_index, self.num_workers = network, index, network.num_workers
+        self._calls: dict[str, int] = {}
+
+    def _key(self, kind: str) -> tuple:
+        n = self._calls.get(kind, 0)
+        self._calls[kind] = n + 1
+        return kind, n
+
+    def broadcast_(self, tensors: list[Tensor]) -> None:
+        key = self._key("broadcast")
+        for j, tensor in enumerate(tensors):
+            self.network.deposit((*key, j), self.worker_index, tensor)
+            tensor.copy_(self.network.collect((*key, j), 60)[0])
+
+    def launch(self, tensor: Tensor) -> Pending:
+        pending = Pending(tensor, work=self._key("reduce"))
+        self.network.deposit(pending.work, self.worker_index, tensor)
+        return pending
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        pending.mark_waited()
+        parts = self.network.collect(pending.work, timeout_s)
+        pending.tensor.copy_(torch.stack(parts).sum(0))
+        pending.completed_at.append(time.perf_counter())
+
+    def all_reduce_(self, tensor: Tensor) -> None:
+        key = self._key("all_reduce")
+        self.network.deposit(key, self.worker_index, tensor)
+        tensor.copy_(torch.stack(self.network.collect(key, 60)).sum(0))
+
+
+@dataclass
+class Task:
+    """What to train: builders for the model, optimizer and schedule; batches; losses."""
+
+    build_model: Callable[[int], nn.Module]  # seed -> model
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    batch: Callable[[int, int], Any]  # (worker, step) -> inputs
+    loss: Callable[[nn.Module, Any], Tensor]
+    evaluate: Callable[[nn.Module, dict[str, Tensor] | None], float]  # (model, params or None) -> metric
+    build_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+
+
+@dataclass
+class SimResult:
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, metric of the global model)
+    final: float = float("nan")
+    seconds: float = 0.0
+    engines: list[CO2] = field(default_factory=list)
+
+
+def train_simulated(
+    *, workers: int, config: CO2Config | None, task: Task, steps: int, seed: int = 0, eval_every: int = 0
+) -> SimResult:
+    """Train ``steps`` inner steps with ``workers`` simulated workers (see the module docstring)."""
+    start, result = time.perf_counter(), SimResult()
+    if config is None:
+        _train_data_parallel(workers, task, steps, seed, eval_every, result)
+    else:
+        _train_co2(workers, config, task, steps, seed, eval_every, result)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _train_data_parallel(workers, task, steps, seed, eval_every, result) -> None:
+    model = task.build_model(seed)
+    optimizer = task.build_optimizer(model)
+    scheduler = task.build_scheduler(optimizer) if task.build_scheduler else None
+    for step in range(steps):
+        optimizer.zero_grad()
+        for worker in range(workers):  # mean loss over workers = mean of their gradients
+            (task.loss(model, task.batch(worker, step)) / workers).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if eval_every and (step + 1) % eval_every == 0:
+            result.history.append((step + 1, task.evaluate(model, None)))
+    result.final = task.evaluate(model, None)
+
+
+def _train_co2(workers, config, task, steps, seed, eval_every, result) -> None:
+    network = SimulatedNetwork(workers)
+    models = [task.build_model(seed + i) for i in range(workers)]  # like ranks; CO2 broadcasts worker 0's
+    optimizers = [task.build_optimizer(m) for m in models]
+    schedulers = [task.build_scheduler(o) if task.build_scheduler else None for o in optimizers]
+    with ThreadPoolExecutor(workers) as pool:
+        engines = list(
+            pool.map(
+                lambda i: CO2(models[i], config, optimizer=optimizers[i], communicator=network.communicator(i)),
+                range(workers),
+            )
+        )
+        for step in range(steps):
+            for i in range(workers):
+                optimizers[i].zero_grad()
+                task.loss(models[i], task.batch(i, step)).backward()
+            if engines[0].in_warmup:  # data parallel until the anchor is taken
+                list(pool.map(lambda e: e.average_gradients(), engines))
+            for optimizer, scheduler in zip(optimizers, schedulers):
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+            list(pool.map(lambda e: e.step(), engines))
+            if eval_every and (step + 1) % eval_every == 0:
+                result.history.append((step + 1, task.evaluate(models[0], engines[0].anchor_state())))
+        list(pool.map(lambda e: e.finalize(), engines))
+    result.final = task.evaluate(models[0], None)
+    result.engines = engines

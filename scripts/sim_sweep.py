@@ -1,0 +1,209 @@
+"""Convergence sweeps of CO2 settings with simulated workers (co2_hf.sim) on the GPT recipe's task.
+
+    python scripts/sim_sweep.py --configs dp slowmo co2_default co2_eager --steps 600 --seeds 0 \\
+        --out results/sweep.jsonl [--jobs 2] [--model tiny] [--tau 12] [--workers 4]
+    python scripts/sim_sweep.py --list          # the named configurations
+
+The task: the GPT-2 shape of recipes/pretrain_gpt.py (``--model tiny`` ~1.3M parameters, ``micro``
+~0.3M) on the Shakespeare plays of its offline default (same BPE, two plays held out), each worker
+drawing its own micro-batches of 8 blocks of 128 tokens, AdamW (lr 1e-3, 5% warm-up, cosine decay,
+no dropout). Validation loss of the global model (the anchor) on 64 held-out blocks is recorded every
+``--eval_every`` steps and at the end. One JSON line per run. Runs are independent processes, so
+``--jobs 2`` uses both cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+CACHE = ROOT / "outputs" / "sim_cache"
+MODELS = {"micro": (64, 2, 2), "tiny": (128, 4, 4)}
+BLOCK, MICRO_BATCH, EVAL_BLOCKS = 128, 8, 64
+
+# name -> CO2Config overrides (None: data parallel). Tau comes from --tau unless a config sets it.
+CONFIGS: dict[str, dict | None] = {
+    "dp": None,
+    "local_sgd": dict(co2_overlap=False, co2_outer_momentum=0.0),
+    "slowmo": dict(co2_overlap=False, co2_outer_momentum=0.5),
+    "diloco": dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
+    # overlapped, anchor start
+    "co2_default": dict(),
+    "co2_nopen": dict(co2_gap_penalty=0.0),
+    "co2_b0": dict(co2_outer_momentum=0.0),
+    "co2_b0_nopen": dict(co2_outer_momentum=0.0, co2_gap_penalty=0.0),
+    "co2_b5": dict(co2_outer_momentum=0.5),
+    "co2_lam2": dict(co2_gap_penalty=2.0),
+    "co2_const2": dict(co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"),
+    "co2_clip": dict(co2_clip_threshold=0.5),
+    "co2_lr05": dict(co2_outer_lr=0.5),
+    "co2_lr05_b0": dict(co2_outer_lr=0.5, co2_outer_momentum=0.0),
+    "co2_nesterov": dict(co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
+    # overlapped, eager start
+    "eager": dict(co2_start_rule="eager", co2_gap_penalty=0.0),
+    "eager_pen": dict(co2_start_rule="eager"),
+    "eager_b0": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0),
+    "eager_b5": dict(co2_start_rule="eager", co2_outer_momentum=0.5, co2_gap_penalty=0.0),
+    "eager_clip": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_clip_threshold=0.5),
+    "eager_lr08": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_outer_lr=0.8),
+    "eager_nesterov": dict(
+        co2_start_rule="eager", co2_gap_penalty=0.0, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9
+    ),
+}
+
+
+def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and held-out token blocks of the recipe's corpus, cached after the first call."""
+    path = CACHE / f"shakespeare_blocks{BLOCK}.pt"
+    if path.exists():
+        return torch.load(path)
+    from pretrain_gpt import shakespeare_plays, train_bpe
+
+    train_text, val_text = shakespeare_plays()
+    tokenizer = train_bpe(train_text, 4096, str(CACHE / "tokenizer"))
+
+    def blocks(texts):
+        ids = [i for t in texts for i in tokenizer(t + tokenizer.eos_token)["input_ids"]]
+        n = len(ids) // BLOCK * BLOCK
+        return torch.tensor(ids[:n]).view(-1, BLOCK)
+
+    data = (blocks(train_text), blocks(val_text)[:EVAL_BLOCKS])
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def make_task(model: str, steps: int, seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel, get_cosine_schedule_with_warmup
+    from transformers.utils import logging
+
+    from co2_hf.sim import Task
+
+    logging.set_verbosity_error()
+    train, val = corpus_blocks()
+    n_embd, n_layer, n_head = MODELS[model]
+    config = GPT2Config(
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_positions=BLOCK,
+        vocab_size=4096,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+    def build_model(worker_seed):
+        torch.manual_seed(seed * 7919 + worker_seed)
+        return GPT2LMHeadModel(config)
+
+    def batch(worker, step):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + worker * 100_003 + step)
+        return train[torch.randint(0, len(train), (MICRO_BATCH,), generator=g)]
+
+    def loss(model, tokens):
+        return model(input_ids=tokens, labels=tokens).loss
+
+    @torch.no_grad()
+    def evaluate(model, params):
+        was_training = model.training
+        model.eval()
+        if params is None:
+            out = model(input_ids=val, labels=val)
+        else:
+            out = torch.func.functional_call(model, params, (), {"input_ids": val, "labels": val})
+        model.train(was_training)
+        return float(out.loss)
+
+    return Task(
+        build_model=build_model,
+        build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+        build_scheduler=lambda o: get_cosine_schedule_with_warmup(o, max(1, steps // 20), steps),
+        batch=batch,
+        loss=loss,
+        evaluate=evaluate,
+    )
+
+
+def run_one(job: dict) -> dict:
+    torch.set_num_threads(1)
+    from co2_hf import CO2Config
+    from co2_hf.sim import train_simulated
+
+    overrides = CONFIGS[job["config"]]
+    config = None if overrides is None else CO2Config(**{"co2_local_steps": job["tau"], **overrides})
+    task = make_task(job["model"], job["steps"], job["seed"])
+    result = train_simulated(
+        workers=job["workers"], config=config, task=task, steps=job["steps"], seed=0, eval_every=job["eval_every"]
+    )
+    line = {
+        **job,
+        "final_val_loss": result.final,
+        "seconds": round(result.seconds, 1),
+        "history": result.history,
+        "settings": overrides,
+    }
+    if not math.isfinite(result.final):
+        line["diverged"] = True
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["dp", "slowmo", "co2_default"])
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--tau", type=int, default=12)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=False)
+    args = parser.parse_args()
+    if args.list:
+        for name, overrides in CONFIGS.items():
+            print(f"{name:16s} {overrides}")
+        return
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; see --list")
+    corpus_blocks()  # build the cache once, before the workers start
+    jobs = [
+        dict(
+            config=c,
+            seed=s,
+            steps=args.steps,
+            tau=args.tau,
+            workers=args.workers,
+            model=args.model,
+            eval_every=args.eval_every,
+        )
+        for s in args.seeds
+        for c in args.configs
+    ]
+    with mp.get_context("spawn").Pool(args.jobs) as pool:
+        for line in pool.imap(run_one, jobs):
+            text = json.dumps(line)
+            summary = {k: line[k] for k in ("config", "seed", "steps", "tau", "model", "final_val_loss", "seconds")}
+            print(json.dumps(summary), flush=True)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                with open(args.out, "a") as f:
+                    f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
