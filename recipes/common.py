@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -58,6 +59,33 @@ def write_run_summary(output_dir: str, args, extra: dict) -> None:
     summary = {"co2": {k: v for k, v in vars(args).items() if k.startswith("co2_")}, **extra}
     with open(os.path.join(output_dir, "run_summary.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)
+
+
+def train_and_report(trainer, *, start: float, per_step: dict, title: str, metric: str) -> dict:
+    """Train, save the model (the anchor) and the log history, evaluate, write all_results.json,
+    run_summary.json and the curve; ``per_step`` is e.g. ``{"tokens_per_step": n}``."""
+    args = trainer.args
+    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model()
+    trainer.save_state()  # trainer_state.json: the log history compare_methods.py reads
+    metrics = {**train_result.metrics, **trainer.evaluate()}
+    if metric == "eval_loss":
+        metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 50 else float("inf")
+    metrics["n_parameters"] = sum(p.numel() for p in trainer.model.parameters())
+    trainer.log_metrics("all", metrics)
+    trainer.save_metrics("all", metrics)
+    if trainer.is_world_process_zero():
+        summary = {"world_size": args.world_size, "wall_time_s": time.time() - start, **per_step}
+        write_run_summary(args.output_dir, args, summary)
+        plot = plot_curves(
+            trainer.state.log_history, os.path.join(args.output_dir, "loss_curve.png"), title=title, metric=metric
+        )
+        print(
+            f"{metric} {metrics[metric]:.4f}"
+            + (f", perplexity {metrics['perplexity']:.1f}" if "perplexity" in metrics else "")
+        )
+        print(f"model and metrics: {args.output_dir}; curves: {plot}")
+    return metrics
 
 
 class WallClock(TrainerCallback):

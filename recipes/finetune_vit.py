@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from common import TRAINING_DEFAULTS, WallClock, plot_curves, write_run_summary
+from common import TRAINING_DEFAULTS, WallClock, train_and_report
 from transformers import HfArgumentParser, ViTConfig, ViTForImageClassification
 
 from co2_hf import CO2Trainer, CO2TrainingArguments
@@ -97,30 +97,28 @@ def image_splits(data: DataArguments, processor):
     return train, validation, labels
 
 
-def build_model(model_args: ModelArguments, labels: list[str]):
-    id2label = dict(enumerate(labels))
-    label2id = {v: k for k, v in id2label.items()}
-    if model_args.model_name_or_path:
-        return ViTForImageClassification.from_pretrained(
-            model_args.model_name_or_path,
-            num_labels=len(labels),
-            id2label=id2label,
-            label2id=label2id,
-            ignore_mismatched_sizes=True,
-        )
+def model_config(model_args: ModelArguments, **labels) -> ViTConfig:
+    """The ViT shape of ``--model_size`` (``labels``: num_labels, id2label, label2id)."""
     hidden, layers, heads, mlp, image, patch = MODEL_SIZES[model_args.model_size]
-    config = ViTConfig(
+    return ViTConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=mlp,
         image_size=image,
         patch_size=patch,
-        num_labels=len(labels),
-        id2label=id2label,
-        label2id=label2id,
+        **labels,
     )
-    return ViTForImageClassification(config)
+
+
+def build_model(model_args: ModelArguments, labels: list[str]):
+    id2label = dict(enumerate(labels))
+    label_kwargs = dict(num_labels=len(labels), id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    if model_args.model_name_or_path:
+        return ViTForImageClassification.from_pretrained(
+            model_args.model_name_or_path, ignore_mismatched_sizes=True, **label_kwargs
+        )
+    return ViTForImageClassification(model_config(model_args, **label_kwargs))
 
 
 def accuracy_metric():
@@ -142,15 +140,7 @@ def dry_run(model_args: ModelArguments, data_args: DataArguments, training_args)
 
         config = AutoConfig.from_pretrained(model_args.model_name_or_path)
     else:
-        hidden, layers, heads, mlp, image, patch = MODEL_SIZES[model_args.model_size]
-        config = ViTConfig(
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            intermediate_size=mlp,
-            image_size=image,
-            patch_size=patch,
-        )
+        config = model_config(model_args)
     print(
         f"dry run: ViT hidden={config.hidden_size} layers={config.num_hidden_layers} image={config.image_size} "
         f"patch={config.patch_size}; data={data_args.dataset_name or data_args.train_dir or 'digits'}; "
@@ -204,33 +194,15 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=[WallClock(training_args.output_dir)],
         processing_class=processor,
     )
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model()
-    trainer.save_state()  # trainer_state.json: the log history compare_methods.py reads
-    metrics = {**train_result.metrics, **trainer.evaluate()}
-    metrics["n_parameters"] = sum(p.numel() for p in model.parameters())
-    trainer.log_metrics("all", metrics)
-    trainer.save_metrics("all", metrics)
-    if trainer.is_world_process_zero():
-        write_run_summary(
-            training_args.output_dir,
-            training_args,
-            {
-                "world_size": training_args.world_size,
-                "wall_time_s": time.time() - start,
-                "samples_per_step": training_args.per_device_train_batch_size
-                * training_args.gradient_accumulation_steps
-                * training_args.world_size,
-            },
-        )
-        plot = plot_curves(
-            trainer.state.log_history,
-            os.path.join(training_args.output_dir, "loss_curve.png"),
-            title=f"ViT {model_args.model_size} on {data_args.dataset_name or 'digits'}",
-            metric="eval_accuracy",
-        )
-        print(f"validation accuracy {metrics['eval_accuracy']:.4f}")
-        print(f"model and metrics: {training_args.output_dir}; curves: {plot}")
+    samples_per_step = (
+        training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size
+    )
+    title = f"ViT {model_args.model_size} on {data_args.dataset_name or 'digits'}"
+    train_and_report(
+        trainer, start=start, per_step={"samples_per_step": samples_per_step}, title=title, metric="eval_accuracy"
+    )
 
 
 if __name__ == "__main__":

@@ -14,19 +14,17 @@ recipes/README.md gives the flags of local SGD, SlowMo-style and DiLoCo-style ru
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common import TRAINING_DEFAULTS, WallClock, plot_curves, write_run_summary
+from common import TRAINING_DEFAULTS, WallClock, train_and_report
 from transformers import (
     AutoConfig,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     GPT2Config,
-    GPT2LMHeadModel,
     HfArgumentParser,
 )
 
@@ -143,24 +141,26 @@ def get_tokenizer(model_args: ModelArguments, raw, training_args):
         return train_bpe(texts, model_args.vocab_size, path)
 
 
-def build_model(model_args: ModelArguments, tokenizer, block_size: int):
+def model_config(model_args: ModelArguments, block_size: int, vocab_size: int, **special_tokens):
+    """The config to build: ``--config_name``, or one of the GPT-2 shapes of ``--model_size``."""
     if model_args.config_name:
-        config = AutoConfig.from_pretrained(model_args.config_name)
-    else:
-        n_embd, n_layer, n_head = MODEL_SIZES[model_args.model_size]
-        config = GPT2Config(
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_positions=max(block_size, 128),
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        return AutoConfig.from_pretrained(model_args.config_name)
+    n_embd, n_layer, n_head = MODEL_SIZES[model_args.model_size]
+    return GPT2Config(
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_positions=max(block_size, 128),
+        vocab_size=vocab_size,
+        **special_tokens,
+    )
+
+
+def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config) if model_args.config_name else GPT2LMHeadModel(config)
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return AutoModelForCausalLM.from_config(model_config(model_args, block_size, len(tokenizer), **specials))
 
 
 def tokenize_and_group(raw, tokenizer, block_size: int, training_args):
@@ -188,17 +188,8 @@ def tokenize_and_group(raw, tokenizer, block_size: int, training_args):
 
 def dry_run(model_args: ModelArguments, data_args: DataArguments, training_args) -> None:
     """Everything up to the data: the flags parse and the model's shape is what was asked for."""
-    if model_args.config_name:
-        config = AutoConfig.from_pretrained(model_args.config_name)
-    else:
-        n_embd, n_layer, n_head = MODEL_SIZES[model_args.model_size]
-        config = GPT2Config(
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_positions=max(data_args.block_size, 128),
-            vocab_size=model_args.vocab_size if not model_args.tokenizer_name else 50257,
-        )
+    vocab = 50257 if model_args.tokenizer_name else model_args.vocab_size  # the GPT-2 tokenizer's
+    config = model_config(model_args, data_args.block_size, vocab)
     params = 12 * config.n_layer * config.n_embd**2 + (config.vocab_size + config.n_positions) * config.n_embd
     print(
         f"dry run: GPT-2 {model_args.model_size} n_embd={config.n_embd} n_layer={config.n_layer} "
@@ -248,34 +239,16 @@ def main(argv: list[str] | None = None) -> None:
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         callbacks=[WallClock(training_args.output_dir)],
     )
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model()
-    trainer.save_state()  # trainer_state.json: the log history compare_methods.py reads
-    metrics = {**train_result.metrics, **trainer.evaluate()}
-    metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 50 else float("inf")
-    metrics["n_parameters"] = sum(p.numel() for p in model.parameters())
-    trainer.log_metrics("all", metrics)
-    trainer.save_metrics("all", metrics)
-    if trainer.is_world_process_zero():
-        write_run_summary(
-            training_args.output_dir,
-            training_args,
-            {
-                "world_size": training_args.world_size,
-                "wall_time_s": time.time() - start,
-                "tokens_per_step": training_args.per_device_train_batch_size
-                * data_args.block_size
-                * training_args.gradient_accumulation_steps
-                * training_args.world_size,
-            },
-        )
-        plot = plot_curves(
-            trainer.state.log_history,
-            os.path.join(training_args.output_dir, "loss_curve.png"),
-            title=f"GPT-2 {model_args.model_size} on {data_args.dataset_name or 'Shakespeare'}",
-        )
-        print(f"validation loss {metrics['eval_loss']:.3f}, perplexity {metrics['perplexity']:.1f}")
-        print(f"model, tokenizer and metrics: {training_args.output_dir}; loss curve: {plot}")
+    tokens_per_step = (
+        training_args.per_device_train_batch_size
+        * data_args.block_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size
+    )
+    title = f"GPT-2 {model_args.model_size} on {data_args.dataset_name or 'Shakespeare'}"
+    train_and_report(
+        trainer, start=start, per_step={"tokens_per_step": tokens_per_step}, title=title, metric="eval_loss"
+    )
 
 
 if __name__ == "__main__":
