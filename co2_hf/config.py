@@ -42,6 +42,12 @@ class CO2Config:
         "Overlap the outer all-reduce with the next round's compute (CO2). False: blocking outer "
         "all-reduce (local SGD / SlowMo / DiLoCo family).",
     )
+    co2_overlap_steps: int | None = _knob(
+        None,
+        "k in [1, tau): apply each round's average after k inner steps of the next round, shifting "
+        "the local models in place by the anchor's move (partial overlap: the all-reduce must hide "
+        "behind k steps). Unset: at the next boundary, a full round of overlap (CO2).",
+    )
     co2_start_rule: Literal["anchor", "eager"] = _knob(
         "anchor",
         "Where a round starts: 'anchor' (every worker at the shared anchor) or 'eager' (the anchor "
@@ -104,6 +110,23 @@ class CO2Config:
             phi is None or (_is_real(phi) and phi > 0),
             "a finite number > 0, or None for no clipping",
         )
+        window = self.co2_overlap_steps
+        _check(
+            "co2_overlap_steps",
+            window,
+            window is None or (isinstance(window, int) and not isinstance(window, bool) and 1 <= window),
+            "an integer >= 1 and < co2_local_steps, or None for a full round of overlap",
+        )
+        if window is not None and window >= self.co2_local_steps:
+            raise ValueError(
+                f"co2_overlap_steps={window} is not allowed with co2_local_steps={self.co2_local_steps}: it "
+                "must be < co2_local_steps (None gives a full round of overlap)"
+            )
+        if window is not None and not self.co2_overlap:
+            raise ValueError(
+                f"co2_overlap_steps={window} needs co2_overlap=True (with co2_overlap=False the average is "
+                "applied at once): allowed value here is None"
+            )
         timeout = self.co2_timeout_s
         _check("co2_timeout_s", timeout, _is_real(timeout) and timeout > 0, "a finite number > 0")
         for name, allowed in (

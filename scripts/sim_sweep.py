@@ -58,6 +58,14 @@ CONFIGS: dict[str, dict | None] = {
     "eager_nesterov": dict(
         co2_start_rule="eager", co2_gap_penalty=0.0, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9
     ),
+    # partial overlap window (co2_overlap_steps = k): SlowMo's anchor recursion, k steps late
+    "win1": dict(co2_overlap_steps=1, co2_outer_momentum=0.5),
+    "win2": dict(co2_overlap_steps=2, co2_outer_momentum=0.5),
+    "win3": dict(co2_overlap_steps=3, co2_outer_momentum=0.5),
+    "win6": dict(co2_overlap_steps=6, co2_outer_momentum=0.5),
+    "win2_eager": dict(co2_overlap_steps=2, co2_outer_momentum=0.5, co2_start_rule="eager"),
+    "win3_eager": dict(co2_overlap_steps=3, co2_outer_momentum=0.5, co2_start_rule="eager"),
+    "win6_eager": dict(co2_overlap_steps=6, co2_outer_momentum=0.5, co2_start_rule="eager"),
 }
 
 

@@ -36,6 +36,8 @@ class ReferenceCO2:
         self.own = [{n: torch.zeros_like(self.anchor[n]) for n in params} for _ in models]
         self.pending = None  # (mean outer gradient, mean buffer values) sent one boundary ago
         self.steps_in_round = 0
+        # where each worker's current round started (the partial-overlap window shifts from it)
+        self.start = [{n: self.anchor[n].clone() for n in params} for _ in models]
         self.penalties: list[dict[str, torch.Tensor]] = []
 
     # the outer update, exactly as defined
@@ -72,6 +74,24 @@ class ReferenceCO2:
         self.steps_in_round += 1
         if self.steps_in_round == self.cfg.co2_local_steps:
             self.boundary()
+        elif self.steps_in_round == self.cfg.co2_overlap_steps and self.pending is not None:
+            self.apply_in_round()
+
+    def apply_in_round(self) -> None:
+        """Partial overlap: the average of the last round arrives k steps into this one. The anchor
+        has not moved since its base, so nothing is stale (P = 1); every local model is moved by
+        (new anchor - where its round started), keeping the k steps it took since."""
+        self.apply(*self.pending, stale=False)
+        self.pending = None
+        with torch.no_grad():
+            for i, model in enumerate(self.models):
+                params, bufs = synchronised(model)
+                for name, p in params.items():
+                    p.add_(self.anchor[name] - self.start[i][name])
+                    self.start[i][name] = self.anchor[name].clone()
+                for name, b in bufs.items():
+                    b.copy_(self.anchor[name])
+            self.own = [{n: torch.zeros_like(t) for n, t in own.items()} for own in self.own]
 
     def boundary(self) -> None:
         self.steps_in_round = 0
@@ -94,12 +114,17 @@ class ReferenceCO2:
         if eager:
             self.own = outer
         self.reset(buffers=received is not None)
+        if self.cfg.co2_overlap_steps is not None:  # the next round starts where the reset put it
+            self.start = [
+                {n: (self.anchor[n] - self.own[i][n]).clone() for n in self.anchor if n in self.own[i]}
+                for i in range(len(self.models))
+            ]
 
     def finalize(self) -> None:
         if self.steps_in_round:
             self.boundary()
-        if self.pending is not None:
-            self.apply(*self.pending, stale=True)
+        if self.pending is not None:  # with a window, nothing had moved the anchor since: not stale
+            self.apply(*self.pending, stale=self.cfg.co2_overlap_steps is None)
             self.pending = None
         self.own = [{n: torch.zeros_like(t) for n, t in own.items()} for own in self.own]
         self.reset(buffers=True)

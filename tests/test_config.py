@@ -22,6 +22,8 @@ INVALID = [
     ("co2_outer_momentum", -0.1, "[0, 1)"),
     ("co2_nesterov", 1, "True or False"),
     ("co2_overlap", None, "True or False"),
+    ("co2_overlap_steps", 0, "integer >= 1 and < co2_local_steps"),
+    ("co2_overlap_steps", 12, "must be < co2_local_steps"),
     ("co2_start_rule", "latest", "'anchor', 'eager'"),
     ("co2_gap_penalty", -1.0, ">= 0"),
     ("co2_gap_penalty", float("inf"), ">= 0"),
@@ -61,6 +63,12 @@ def test_check_world_needs_worker_size_to_divide_the_world():
     assert CO2Config(co2_worker_size=2).check_world(8) == 4
     with pytest.raises(ValueError, match=r"co2_worker_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"):
         CO2Config(co2_worker_size=3).check_world(8)
+
+
+def test_overlap_window_needs_overlap():
+    with pytest.raises(ValueError, match="co2_overlap_steps=2 needs co2_overlap=True"):
+        CO2Config(co2_overlap_steps=2, co2_overlap=False)
+    assert CO2Config(co2_overlap_steps=11).co2_overlap_steps == 11
 
 
 def test_bfloat16_wire_is_limited_to_256_workers():

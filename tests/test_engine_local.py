@@ -3,6 +3,8 @@ finalize, evaluation on the anchor, non-finite workers, wire dtype, memory and c
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -261,3 +263,27 @@ def test_frozen_parameters_and_integer_buffers_are_not_synchronised():
     assert {"emb.weight", "out.weight", "norm.running_mean"} <= names
     emb = next(s for s in co2.layout.segments if "emb.weight" in s.names)
     assert emb.names == ["emb.weight", "out.weight"]  # tied: one segment
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_state_dict_inside_the_overlap_window_resumes_bit_for_bit(window):
+    """Saved one step into round 1, before the window applies round 0's average at step 2."""
+    cfg = dict(co2_local_steps=4, co2_overlap_steps=window, co2_start_rule="eager", co2_outer_momentum=0.5)
+    model, optimizer, co2 = _engine(**cfg)
+    _train(model, co2, optimizer, 12)
+    uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, optimizer, co2 = _engine(**cfg)
+    _train(model, co2, optimizer, 5)
+    saved = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "co2": copy.deepcopy(co2.state_dict()),
+    }
+    model, optimizer, co2 = _engine(**cfg)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    co2.load_state_dict(saved["co2"])
+    _train(model, co2, optimizer, 7, start=5)
+    for name, value in uninterrupted.items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -118,6 +118,8 @@ class CO2(CheckpointMixin):
                 self.warmup_done = True
             return False
         self.round_step += 1
+        if self.round_step == self.config.co2_overlap_steps:
+            self._apply_in_round()
         if self.round_step < self.config.co2_local_steps:
             return False
         self._boundary()
@@ -164,7 +166,8 @@ class CO2(CheckpointMixin):
         if self.round_step > 0:
             self._boundary()
         if self._receive(record=False):
-            self._direction(stale=True)
+            # with a partial-overlap window nothing moved the anchor since this D's base
+            self._direction(stale=self.config.co2_overlap_steps is None)
             self._exchange(apply=True, write=False)
             self._have_d = False
         if self._own is not None:
@@ -396,10 +399,37 @@ class CO2(CheckpointMixin):
             if self._own is not None:
                 src = src.clone()
                 src[: mid - lo].sub_(self._own[lo:mid])
-            count = len(chunk.live) if buffers else chunk.param_pieces
-            if count:
-                pieces = list(src[: sum(chunk.lengths[:count])].split(chunk.lengths[:count]))
-                torch._foreach_copy_(chunk.live[:count], pieces)
+            _scatter_live(chunk, src, len(chunk.live) if buffers else chunk.param_pieces)
+
+    @torch.no_grad()
+    def _apply_in_round(self) -> None:
+        """Partial overlap (``co2_overlap_steps = k``): k steps into a round, apply the last
+        round's average. Its base is still the anchor, so nothing is stale (P = 1)."""
+        if self._pending is None and not self._have_d:
+            return  # round 0, or the round's average was skipped
+        with record_function("co2/apply_in_round"):
+            if self._receive(record=True):
+                self._direction(stale=False)
+                self._exchange(apply=True, write=False)
+                self._shift_live()
+            self._have_d = False
+
+    def _shift_live(self) -> None:
+        """Move each live parameter by (new anchor - where its round started), keeping the steps
+        it took since; buffers take the received mean. Runs right after the anchor moved by
+        ``-alpha * v``; a round started at ``a - own`` (``own = 0`` under the anchor rule)."""
+        alpha = self.config.co2_outer_lr
+        v = self._buf if self.config.co2_nesterov else self._momentum
+        for chunk in self.layout.chunks:
+            lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
+            x = self._gather_live(chunk)
+            x[: mid - lo].sub_(v[lo:mid], alpha=alpha)
+            if self._own is not None:
+                x[: mid - lo].add_(self._own[lo:mid])
+            x[mid - lo :].copy_(self._anchor[mid:hi])
+            _scatter_live(chunk, x, len(chunk.live))
+        if self._own is not None:
+            self._own.zero_()  # the round now counts as started at the new anchor
 
     def _gather_live(self, chunk) -> Tensor:
         x = torch.zeros(chunk.stop - chunk.start, dtype=torch.float32, device=self.device)
@@ -425,6 +455,13 @@ class CO2(CheckpointMixin):
                 lengths = torch.tensor(chunk.lengths[:k], device=self.device)
                 pieces.append((chunk, ids, lengths))
         return pieces
+
+
+def _scatter_live(chunk, src: Tensor, count: int) -> None:
+    """Copy the first ``count`` pieces of a chunk-shaped fp32 ``src`` into the live tensors."""
+    if count:
+        pieces = list(src[: sum(chunk.lengths[:count])].split(chunk.lengths[:count]))
+        torch._foreach_copy_(chunk.live[:count], pieces)
 
 
 def _norm_sq(x: Tensor) -> Tensor:
