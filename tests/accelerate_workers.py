@@ -45,7 +45,7 @@ def loop(rank: int, world: int, out: str, *, save_at: int | None = None, resume:
             co2.step()
             local_collectives.append(_default_group_seq() - before)
             if step + 1 == save_at:
-                accelerator.save_state(out)
+                co2.save_state(out)  # accelerator.save_state, published atomically
                 return {"wrapped": type(model).__name__}
     return {
         "final": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},

@@ -36,6 +36,16 @@ def test_each_rank_saved_its_own_optimizer_state(runs):
 
 
 @pytest.mark.timeout(320)
+def test_save_state_is_published_with_a_manifest_of_every_rank(runs):
+    from co2_hf.integrations import checkpoint
+
+    out, _, _ = runs
+    manifest = checkpoint.check_complete(out, 1, 2, step=SAVE_AT)
+    assert sorted(manifest["ranks"]) == ["0", "1"] and "model.safetensors" in manifest["files"]
+    assert not os.path.exists(os.path.join(os.path.dirname(out), checkpoint.STAGING_DIR))
+
+
+@pytest.mark.timeout(320)
 def test_load_state_resumes_bit_for_bit(runs):
     _, first, final = runs
     for rank in (0, 1):
@@ -78,7 +88,7 @@ def test_independent_replicas_are_refused(monkeypatch):
 def test_training_arguments_use_the_cpu_when_launched_without_an_accelerator(monkeypatch):
     from types import SimpleNamespace
 
-    from co2_hf.integrations.trainer import _use_cpu_without_accelerator
+    from co2_hf.integrations.arguments import _use_cpu_without_accelerator
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = SimpleNamespace(use_cpu=False)

@@ -32,6 +32,7 @@ from .state import CheckpointMixin
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 32  # the round index travels as bits: any disagreement gives a bit sum in (0, G)
+TIMEOUT_CHECK_BOUNDARY = 3  # co2_timeout_s is compared with the round timed between boundaries 2 and 3
 
 
 class CO2(CheckpointMixin):
@@ -99,6 +100,8 @@ class CO2(CheckpointMixin):
         self._consecutive_skipped = 0
         self._last_wait_s = 0.0
         self.last_comm_s = 0.0  # launch-to-completion of the last all-reduce received (this rank)
+        self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
+        self._round_started: float | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._param_pieces = self._index_param_pieces()
         self._take_anchor()
@@ -214,6 +217,7 @@ class CO2(CheckpointMixin):
 
     @torch.no_grad()
     def _boundary(self) -> None:
+        compute_s = time.perf_counter() - self._round_started if self._round_started is not None else 0.0
         with record_function("co2/boundary"):
             if self.config.co2_overlap:
                 have_d = self._receive(record=True)
@@ -232,6 +236,26 @@ class CO2(CheckpointMixin):
             self._have_d = False
             self.round += 1
             self.round_step = 0
+        self._boundaries_run += 1
+        if self._boundaries_run == TIMEOUT_CHECK_BOUNDARY:
+            self._check_timeout(compute_s, self.last_comm_s)
+        self._round_started = time.perf_counter()
+
+    def _check_timeout(self, compute_s: float, comm_s: float) -> None:
+        """Warn once when co2_timeout_s leaves too little room: a peer that is merely one slow
+        round behind would be taken for a dead one. Measured after the first rounds, which may
+        include compilation and warm-up."""
+        needed = 2 * (compute_s + comm_s)
+        if self.config.co2_timeout_s < needed:
+            logger.warning(
+                "CO2: co2_timeout_s=%gs is shorter than twice a round's compute (%.3gs) plus one outer "
+                "all-reduce (%.3gs): a slow round could be taken for a dead peer. Set co2_timeout_s "
+                "to at least %.3g.",
+                self.config.co2_timeout_s,
+                compute_s,
+                comm_s,
+                needed,
+            )
 
     def _receive(self, *, record: bool) -> bool:
         """Wait for the in-flight all-reduce, if any; return True when the buffer holds a D."""
@@ -243,11 +267,7 @@ class CO2(CheckpointMixin):
             try:
                 self.comm.wait(pending, self.config.co2_timeout_s)
             except RuntimeError as error:
-                raise RuntimeError(
-                    f"CO2's outer all-reduce of round {self._sent_round} failed or did not finish "
-                    f"within co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or "
-                    f"stalled): {error}"
-                ) from error
+                raise self._peer_failure(error) from error
         self._last_wait_s = time.perf_counter() - start if record else 0.0
         self.last_comm_s = pending.comm_seconds()
         self._metrics["comm_s"].append(self.last_comm_s)
@@ -375,7 +395,16 @@ class CO2(CheckpointMixin):
             self._wire.copy_(self._buf)
         self._sent_round = self.round
         with record_function("co2/launch"):
-            self._pending = self.comm.launch(self._wire)
+            try:
+                self._pending = self.comm.launch(self._wire)
+            except RuntimeError as error:  # a transport may already know that a peer is gone
+                raise self._peer_failure(error) from error
+
+    def _peer_failure(self, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"CO2's outer all-reduce of round {self._sent_round} failed or did not finish within "
+            f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
+        )
 
     def _quarantine(self) -> None:
         """A worker whose outer gradient is not finite sends zeros with weight 0 and restarts."""

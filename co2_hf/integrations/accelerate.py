@@ -16,6 +16,8 @@ workers during local steps (DDP also skips its buffer broadcast then); during
 ``accelerator.save_state`` / ``load_state``: a save hook puts the anchor in the model file and
 makes every rank write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2
 state), which a registered checkpoint object restores after Accelerate has loaded the rest.
+``co2.save_state(folder)`` does the same atomically: the folder appears only once complete, with a
+manifest that ``load_state`` checks (a plain ``accelerator.save_state`` folder has none).
 """
 
 from __future__ import annotations
@@ -82,6 +84,24 @@ class CO2Accelerate:
     def pop_metrics(self) -> dict[str, float]:
         return self.co2.pop_metrics()
 
+    def save_state(self, output_dir: str, **kwargs: Any) -> None:
+        """``accelerator.save_state(output_dir)``, made atomic: written into a staging folder and
+        renamed to ``output_dir`` only once every rank's files are there (``checkpoint.publish``).
+        Collective: every rank calls it."""
+        accelerator, project = self.accelerator, self.accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            raise ValueError(
+                "CO2Accelerate.save_state needs the folder's name: with "
+                "ProjectConfiguration(automatic_checkpoint_naming=True) call accelerator.save_state() "
+                "instead (not atomic)"
+            )
+        rank = accelerator.process_index
+        leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
+        staging = checkpoint.begin_save(output_dir, is_leader=rank == leader)
+        accelerator.save_state(staging, **kwargs)
+        world, step = accelerator.num_processes, self.co2.inner_steps
+        checkpoint.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step)
+
     def _stop_gradient_sync(self) -> None:
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._no_sync.enter_context(self.model.no_sync())
@@ -106,7 +126,8 @@ class CO2Accelerate:
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         # Accelerate loads the anchor and rank 0's optimizer next; the restorer runs after that
-        checkpoint.read_rank_state(input_dir, self.accelerator.process_index, self.accelerator.num_processes)
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        checkpoint.read_rank_state(input_dir, rank, world, require_manifest=False)
         self._load_dir = input_dir
 
 
@@ -125,7 +146,8 @@ class _RankStateRestorer:
         if owner._load_dir is None:
             raise RuntimeError("CO2Accelerate: checkpoint object loaded outside accelerator.load_state")
         rank = owner.accelerator.process_index
-        saved = checkpoint.read_rank_state(owner._load_dir, rank, owner.accelerator.num_processes)
+        world = owner.accelerator.num_processes
+        saved = checkpoint.read_rank_state(owner._load_dir, rank, world, require_manifest=False)
         checkpoint.apply_rank_state(
             saved, co2=owner.co2, model=owner.module, optimizer=owner.optimizer, scaler=owner.accelerator.scaler
         )

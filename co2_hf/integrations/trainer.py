@@ -1,4 +1,4 @@
-"""`CO2TrainingArguments` and `CO2Trainer`: CO2 in the transformers Trainer.
+"""`CO2Trainer` (with `CO2TrainingArguments`, from ``arguments.py``): CO2 in the transformers Trainer.
 
 Swap ``Trainer`` for ``CO2Trainer`` and ``TrainingArguments`` for ``CO2TrainingArguments``; every
 ``--co2_*`` flag of `CO2Config` is then accepted beside the usual ones. ``--co2_enabled false``
@@ -12,6 +12,11 @@ What CO2Trainer changes, each a few lines around ``super()``:
 - logs carry the ``co2/*`` metrics (`log`); evaluation runs on the anchor (`evaluate`);
 - the saved model is the anchor, checkpoints add each rank's own state (`_save`, `_save_checkpoint`),
   and ``resume_from_checkpoint`` restores it exactly (`_restore_co2`);
+- a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
+  rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
+  from (`_save_checkpoint`, `_load_from_checkpoint`);
+- ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
+  where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
 - training ends with ``CO2.finalize()`` (`_finalize_training`).
 """
 
@@ -20,86 +25,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
+import json
 import os
-import warnings
-from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import CO2Config
 from ..core import CO2
 from . import checkpoint, model_card
+from .arguments import CO2TrainingArguments, _follow_ddp_timeout
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CO2TrainingArguments(TrainingArguments, CO2Config):
-    """``TrainingArguments`` plus every field of `CO2Config` (declared there, once)."""
-
-    def __post_init__(self) -> None:
-        # CO2's own checks first: they need no device and no process group
-        self.validate_co2()
-        _use_cpu_without_accelerator(self)
-        if self.co2_enabled:
-            self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
-            _refuse_unsupported(self)
-        TrainingArguments.__post_init__(self)
-        if self.co2_enabled:
-            _turn_off_per_step_collectives(self)
-            if self.hub_strategy == "checkpoint":
-                warnings.warn(
-                    "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
-                    "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
-                    stacklevel=2,
-                )
-
-
-def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
-    """Launched as several processes on a machine without GPUs, TrainingArguments would otherwise
-    set up one independent process each (world size 1): every replica would train alone."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if launched and not args.use_cpu and not torch.accelerator.is_available():
-        logger.warning("no GPU or other accelerator found: training on the CPU (use_cpu=True)")
-        args.use_cpu = True
-
-
-def _refuse_unsupported(args: CO2TrainingArguments) -> None:
-    env_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    env_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if args.deepspeed or env_deepspeed:
-        raise ValueError(
-            "CO2 does not support DeepSpeed: with co2_enabled=True every process is a CO2 worker and "
-            "ZeRO would shard state across workers. Drop --deepspeed, or pass --co2_enabled false."
-        )
-    if args.fsdp or env_fsdp:
-        raise ValueError(
-            "CO2 does not support FSDP across workers (--fsdp): with co2_worker_size=1 every process "
-            "is its own worker. Drop --fsdp, or pass --co2_enabled false."
-        )
-    if args.include_num_input_tokens_seen not in ("no", False, None):
-        raise ValueError(
-            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} gathers a token "
-            "count across workers at every step, which CO2 exists to avoid: allowed value with CO2 "
-            "is 'no'"
-        )
-
-
-def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> None:
-    if args.average_tokens_across_devices:
-        logger.info("CO2: average_tokens_across_devices turned off (it gathers at every step)")
-        args.average_tokens_across_devices = False
-    accelerator_config = args.accelerator_config
-    if getattr(accelerator_config, "dispatch_batches", None):
-        raise ValueError(
-            "accelerator_config.dispatch_batches=True broadcasts every batch from rank 0, a "
-            "collective at every step: with CO2 each worker must read its own data (set it to false)"
-        )
-    if accelerator_config is not None and hasattr(accelerator_config, "dispatch_batches"):
-        accelerator_config.dispatch_batches = False
+__all__ = ["CO2Trainer", "CO2TrainingArguments"]
 
 
 class _CO2StepCallback(TrainerCallback):
@@ -130,6 +69,7 @@ class CO2Trainer(Trainer):
         self.co2: CO2 | None = None
         if self.co2_config is not None:
             self.add_callback(_CO2StepCallback(self))
+            _follow_ddp_timeout(self.args)
 
     # ------------------------------------------------------------------ training
 
@@ -203,18 +143,74 @@ class CO2Trainer(Trainer):
             self._write_model_card(directory)
 
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.co2 is None or self.args.save_only_model:
+        """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, written into a staging
+        folder and published as ``checkpoint-N`` only when complete (`checkpoint.publish`)."""
+        if self.co2_config is None:
+            return super()._save_checkpoint(model, trial)
+        args = self.args
+        run_dir = self._get_output_dir(trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # with per-node disks (save_on_each_node) each node's local rank 0 publishes its own copy
+        leader = args.process_index - args.local_process_index if args.save_on_each_node else 0
+        staging = checkpoint.begin_save(final, is_leader=args.process_index == leader)
+        with self._saving_into(os.path.dirname(staging)):
+            super()._save_checkpoint(model, trial)
+        if self.co2 is not None and not args.save_only_model:
+            checkpoint.save_rank_state(
+                staging,
+                args.process_index,
+                co2=self.co2,
+                model=self.model,
+                optimizer=self._inner_optimizer(),
+                scaler=getattr(self.accelerator, "scaler", None),
+            )
+        self._point_best_checkpoint_at(staging, final)
+        step, rank = self.state.global_step, args.process_index
+        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
+        if args.should_save:  # the Trainer's own rotation ran inside the staging area, on one folder
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        if args.push_to_hub:
+            self._push_from_checkpoint(final)
+
+    def _get_output_dir(self, trial) -> str:
+        return getattr(self, "_co2_staging_root", None) or super()._get_output_dir(trial)
+
+    @contextlib.contextmanager
+    def _saving_into(self, staging_root: str):
+        """Let the Trainer write its checkpoint under ``staging_root``; hold its Hub push (it
+        uploads in the background, from a folder about to be renamed) until it is published."""
+        push, self.args.push_to_hub = self.args.push_to_hub, False
+        self._co2_staging_root = staging_root
+        try:
+            yield
+        finally:
+            self._co2_staging_root = None
+            self.args.push_to_hub = push
+
+    def _point_best_checkpoint_at(self, staging: str, final: str) -> None:
+        """The Trainer records the best checkpoint under the path it wrote to: the staging one."""
+        best = self.state.best_model_checkpoint
+        if best is None or os.path.normpath(best) != os.path.normpath(staging):
             return
-        directory = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        checkpoint.save_rank_state(
-            directory,
-            self.args.process_index,
-            co2=self.co2,
-            model=self.model,
-            optimizer=self._inner_optimizer(),
-            scaler=getattr(self.accelerator, "scaler", None),
-        )
+        self.state.best_model_checkpoint = final
+        if self.args.should_save:
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.co2_config is not None and model is None:
+            # before any file is read: an incomplete or mismatched checkpoint is refused, clearly
+            checkpoint.check_complete(
+                resume_from_checkpoint,
+                self.args.process_index,
+                self.args.world_size,
+                step=_saved_step(resume_from_checkpoint),
+            )
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _restore_co2(self, directory: str) -> None:
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
@@ -243,6 +239,14 @@ class CO2Trainer(Trainer):
         else:
             card = os.path.join(directory, "README.md")
             model_card.add_co2_section(card, self.co2_config, world_size=self.args.world_size)
+
+
+def _saved_step(directory: str) -> int | None:
+    path = os.path.join(directory, TRAINER_STATE_NAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("global_step")
 
 
 @contextlib.contextmanager

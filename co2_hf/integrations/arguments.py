@@ -1,0 +1,143 @@
+"""`CO2TrainingArguments`: ``TrainingArguments`` plus every ``--co2_*`` flag of `CO2Config`.
+
+Everything CO2 cannot work with is refused in ``__post_init__``, before ``TrainingArguments`` sets
+up the device and with it the default process group, so a bad launch fails at once and the same on
+every rank: a bad ``co2_*`` value, DeepSpeed, FSDP, ``parallelism_config``, a per-step token count
+gather, batch dispatching, a ``co2_worker_size`` this engine does not support or that does not
+divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout`` defaults to
+``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import TrainingArguments
+from transformers.trainer_pt_utils import AcceleratorConfig
+
+from ..config import CO2Config
+
+logger = logging.getLogger(__name__)
+
+TRAINER_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default
+
+
+@dataclass
+class CO2TrainingArguments(TrainingArguments, CO2Config):
+    """``TrainingArguments`` plus every field of `CO2Config` (declared there, once)."""
+
+    # None = not set: CO2 then bounds the default group's collectives (the loss gather at logging
+    # steps, save barriers) by co2_timeout_s too, so a dead peer cannot leave a rank blocked there
+    ddp_timeout: int | None = field(
+        default=None,
+        metadata={
+            "help": "Timeout (s) of the default process group's collectives. Default: co2_timeout_s "
+            f"(rounded up) with CO2, {TRAINER_DDP_TIMEOUT} without."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        # CO2's own checks first: they need no device and no process group (TrainingArguments'
+        # __post_init__ sets up the device, which creates the default group)
+        self.validate_co2()
+        _use_cpu_without_accelerator(self)
+        if self.co2_enabled:
+            self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+            _refuse_unsupported(self)
+        if self.ddp_timeout is None:
+            self.ddp_timeout = math.ceil(self.co2_timeout_s) if self.co2_enabled else TRAINER_DDP_TIMEOUT
+        TrainingArguments.__post_init__(self)
+        if self.co2_enabled:
+            _turn_off_per_step_collectives(self)
+            if self.hub_strategy == "checkpoint":
+                warnings.warn(
+                    "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
+                    "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
+                    stacklevel=2,
+                )
+
+
+def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
+    """Launched as several processes on a machine without GPUs, TrainingArguments would otherwise
+    set up one independent process each (world size 1): every replica would train alone."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not args.use_cpu and not torch.accelerator.is_available():
+        logger.warning("no GPU or other accelerator found: training on the CPU (use_cpu=True)")
+        args.use_cpu = True
+
+
+def _refuse_unsupported(args: CO2TrainingArguments) -> None:
+    env_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    env_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if args.deepspeed or env_deepspeed:
+        raise ValueError(
+            "CO2 does not support DeepSpeed: with co2_enabled=True every process is a CO2 worker and "
+            "ZeRO would shard state across workers. Drop --deepspeed, or pass --co2_enabled false."
+        )
+    if args.fsdp or env_fsdp:
+        raise ValueError(
+            "CO2 does not support FSDP across workers (--fsdp): with co2_worker_size=1 every process "
+            "is its own worker. Drop --fsdp, or pass --co2_enabled false."
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        raise ValueError(
+            f"parallelism_config={args.parallelism_config!r} splits one model across processes; CO2 "
+            "needs every process to be its own worker: allowed value with CO2 is None"
+        )
+    if args.include_num_input_tokens_seen not in ("no", False, None):
+        raise ValueError(
+            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} gathers a token "
+            "count across workers at every step, which CO2 exists to avoid: allowed value with CO2 "
+            "is 'no'"
+        )
+    if args.co2_worker_size != 1:
+        raise ValueError(
+            f"co2_worker_size={args.co2_worker_size} is not supported by this version of the engine: "
+            "allowed value is 1 (every process is its own worker)"
+        )
+    _refuse_dispatch_batches(args)
+
+
+def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
+    """Checked here, before TrainingArguments builds its AcceleratorConfig and with it the default
+    process group; we build that config the same way (from a dict or a JSON file) to look inside."""
+    config = args.accelerator_config
+    if isinstance(config, dict):
+        config = AcceleratorConfig(**config)
+    elif isinstance(config, str):
+        config = AcceleratorConfig.from_json_file(config)
+    if config is None:
+        config = AcceleratorConfig()
+    if config.dispatch_batches:
+        raise ValueError(
+            "accelerator_config.dispatch_batches=True broadcasts every batch from rank 0, a "
+            "collective at every step: with CO2 each worker must read its own data (set it to false)"
+        )
+    config.dispatch_batches = False
+    args.accelerator_config = config
+
+
+def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> None:
+    if args.average_tokens_across_devices:
+        logger.info("CO2: average_tokens_across_devices turned off (it gathers at every step)")
+        args.average_tokens_across_devices = False
+
+
+def _follow_ddp_timeout(args: CO2TrainingArguments) -> None:
+    """Give the default group ``args.ddp_timeout``. Accelerate does not pass ddp_timeout on when
+    training on CPUs, nor to a group the script created itself; without this, a rank blocked in the
+    Trainer's loss gather behind a dead peer would wait 30 minutes instead of co2_timeout_s."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # older torch: Accelerate's own setting is all there is
+        logger.warning("CO2: this torch cannot change the default group's timeout (ddp_timeout)")
+        return
+    set_timeout(datetime.timedelta(seconds=args.ddp_timeout))
