@@ -172,16 +172,17 @@ class _StopAt:
 STOP_AT = 6  # boundaries after steps 4 and 8: step 6 is mid-round with the all-reduce in flight
 
 
-def uninterrupted_and_stopped(rank: int, world: int, out: str) -> dict:
+def uninterrupted_and_stopped(rank: int, world: int, out: str, overrides: dict | None = None) -> dict:
     """An uninterrupted run, and one that saves at step 6 and is stopped there by a callback."""
     from co2_hf import CO2Trainer
 
     _env(rank, world)
-    full = CO2Trainer(model=tiny_gpt2(), args=make_args(out + "_full"), train_dataset=dataset())
+    extra = overrides or {}
+    full = CO2Trainer(model=tiny_gpt2(), args=make_args(out + "_full", **extra), train_dataset=dataset())
     full.train()
     stopped = CO2Trainer(
         model=tiny_gpt2(),
-        args=make_args(out, save_strategy="steps", save_steps=STOP_AT),
+        args=make_args(out, save_strategy="steps", save_steps=STOP_AT, **extra),
         train_dataset=dataset(),
         callbacks=[_StopAt(STOP_AT)],
     )
@@ -192,12 +193,12 @@ def uninterrupted_and_stopped(rank: int, world: int, out: str) -> dict:
     }
 
 
-def resumed(rank: int, world: int, out: str) -> dict:
+def resumed(rank: int, world: int, out: str, overrides: dict | None = None) -> dict:
     from co2_hf import CO2Trainer
 
     _env(rank, world)
     torch.manual_seed(1234)  # a different process state: the checkpoint must restore everything
-    trainer = CO2Trainer(model=tiny_gpt2(), args=make_args(out), train_dataset=dataset())
+    trainer = CO2Trainer(model=tiny_gpt2(), args=make_args(out, **(overrides or {})), train_dataset=dataset())
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{STOP_AT}")
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 

@@ -221,3 +221,114 @@ def resume(rank: int, world: int, save_path: str) -> dict:
     for step in range(STOP_AT, RESUME_STEPS):
         _step(model, optimizer, co2, rank, step)
     return _final(model, co2)
+
+
+# ---------------------------------------------------------------- hierarchical workers (k processes each)
+
+
+def union_loss(model: nn.Module, worker: int, step: int, k: int) -> torch.Tensor:
+    """The loss of worker ``worker`` in the reference: the mean over its k processes' batches."""
+    return sum(loss_on(model, worker * k + j, step) for j in range(k)) / k
+
+
+def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> dict:
+    """Every process trains on its own batch; gradients are averaged inside the worker."""
+    model = TinyNet(seed=0, batchnorm=False)  # same frozen layer in every process of a worker
+    names = [n for n in model.state_dict() if not n.startswith("frozen.")]
+    optimizer = make_optimizer(model, "sgd")
+    co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+    launched = []
+    launch = co2.comm.launch
+    co2.comm.launch = lambda t: launched.append(t.numel() * t.element_size()) or launch(t)
+    anchors = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_on(model, rank, step).backward()
+        co2.average_gradients()
+        optimizer.step()
+        if co2.step():
+            anchors.append(snapshot(co2, names))
+    co2.finalize()
+    anchors.append(snapshot(co2, names))
+    return {
+        "anchors": anchors,
+        "launched_bytes": launched,
+        "shard_numel": co2.layout.shard_numel,
+        "padded_numel": co2.layout.padded_numel,
+        "header_slots": co2._buf.numel() - co2.layout.shard_numel,
+    }
+
+
+def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int) -> list[dict]:
+    from reference import ReferenceCO2
+
+    cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
+    models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
+    ref = ReferenceCO2(models, cfg)
+    optimizers = [make_optimizer(m, "sgd") for m in models]
+    anchors = []
+    for step in range(steps):
+        for w, (model, optimizer) in enumerate(zip(models, optimizers)):
+            optimizer.zero_grad()
+            union_loss(model, w, step, k).backward()
+            optimizer.step()
+        ref.after_inner_step()
+        if ref.steps_in_round == 0:
+            anchors.append({n: t.clone() for n, t in ref.anchor.items()})
+    ref.finalize()
+    anchors.append({n: t.clone() for n, t in ref.anchor.items()})
+    return anchors
+
+
+def outer_state_of_a_wide_model(rank: int, world: int) -> dict:
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))
+    co2 = CO2(model, CO2Config(co2_worker_size=2))
+    params = sum(p.numel() for p in model.parameters())
+    return {"nbytes": co2.outer_state_nbytes(), "params": params}
+
+
+def hierarchical_stop(rank: int, world: int, cfg_kwargs: dict, path: str) -> dict:
+    """Uninterrupted 14 steps; then a run stopped at step 6 (mid-round, in flight), saved per rank."""
+
+    def fresh(seed):
+        model = TinyNet(seed=seed, batchnorm=False)
+        optimizer = make_optimizer(model)
+        return model, optimizer, CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+
+    def train(model, optimizer, co2, start, stop):
+        for step in range(start, stop):
+            optimizer.zero_grad()
+            loss_on(model, rank, step).backward()
+            co2.average_gradients()
+            optimizer.step()
+            co2.step()
+
+    model, optimizer, co2 = fresh(0)
+    train(model, optimizer, co2, 0, 14)
+    co2.finalize()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    model, optimizer, co2 = fresh(0)
+    train(model, optimizer, co2, 0, 6)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "co2": co2.state_dict()},
+        f"{path}.rank{rank}",
+    )
+    return full
+
+
+def hierarchical_resume(rank: int, world: int, cfg_kwargs: dict, path: str) -> dict:
+    model = TinyNet(seed=0, batchnorm=False)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+    saved = torch.load(f"{path}.rank{rank}", weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    co2.load_state_dict(saved["co2"])
+    for step in range(6, 14):
+        optimizer.zero_grad()
+        loss_on(model, rank, step).backward()
+        co2.average_gradients()
+        optimizer.step()
+        co2.step()
+    co2.finalize()
+    return {k: v.clone() for k, v in model.state_dict().items()}

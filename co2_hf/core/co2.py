@@ -61,16 +61,19 @@ class CO2(CheckpointMixin):
         self.config = cfg = config if config is not None else CO2Config()
         if not cfg.co2_enabled:
             raise ValueError("co2_enabled=False: train without CO2 (plain data parallel) instead")
-        if cfg.co2_worker_size != 1:
-            raise ValueError(
-                f"co2_worker_size={cfg.co2_worker_size} is not supported by this version of the "
-                "engine: allowed value is 1 (every process is its own worker)"
-            )
         self.model, self.optimizer = model, optimizer
         self.device = _state_device(model, cfg)
         self.comm = communicator or make_communicator(
-            process_group=process_group, state_device=self.device, timeout_s=cfg.co2_timeout_s
+            process_group=process_group,
+            state_device=self.device,
+            timeout_s=cfg.co2_timeout_s,
+            worker_size=cfg.co2_worker_size,
         )
+        if self.comm.worker_size != cfg.co2_worker_size:
+            raise ValueError(
+                f"co2_worker_size={cfg.co2_worker_size} but the communicator has {self.comm.worker_size} "
+                "process(es) per worker"
+            )
         self.num_workers = cfg.check_world(self.comm.num_workers * self.comm.worker_size)
         self.layout = FlatLayout(
             model,
@@ -104,6 +107,12 @@ class CO2(CheckpointMixin):
         self._round_started: float | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._param_pieces = self._index_param_pieces()
+        # chunk c of every shard of this worker, in shard order: what an all-gather of chunk c fills
+        shards = [
+            self.layout.chunks if j == self.layout.shard_index else self.layout.shard_chunks(j)
+            for j in range(self.layout.worker_size)
+        ]
+        self._chunks_of_every_shard = list(zip(*shards))
         self._take_anchor()
 
     # ------------------------------------------------------------------ public API
@@ -140,19 +149,25 @@ class CO2(CheckpointMixin):
 
     @torch.no_grad()
     def average_gradients(self) -> None:
-        """Average gradients over all workers during the warm-up; do nothing after it.
+        """Average gradients: over every process during the warm-up (plain data parallel), then
+        over the processes of this worker when ``co2_worker_size > 1``; else nothing.
 
         Call it after ``backward()`` and before the optimizer step (before unscaling, with AMP).
         """
-        if self.warmup_done:
+        k = self.comm.worker_size
+        if self.warmup_done and k == 1:
             return
         params = [s.tensor for s in self.layout.segments if s.is_param]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-        self.comm.all_reduce_(flat)
-        flat.div_(self.num_workers)
+        if not self.warmup_done:
+            self.comm.all_reduce_(flat)
+            flat.div_(self.num_workers * k)
+        else:
+            self.comm.worker_all_reduce_(flat)
+            flat.div_(k)
         torch._foreach_copy_([p.grad.view(-1) for p in params], list(flat.split([p.numel() for p in params])))
 
     @torch.no_grad()
@@ -188,8 +203,9 @@ class CO2(CheckpointMixin):
         state = self.model.state_dict()
         if not self.warmup_done:
             return state
+        anchor = self._anchor if self.layout.worker_size == 1 else self._full_anchor()
         for segment in self.layout.segments:
-            flat = self._anchor[segment.offset : segment.offset + segment.numel]
+            flat = anchor[segment.offset : segment.offset + segment.numel]
             value = flat.view(segment.tensor.shape).to(segment.tensor.dtype)
             for name in segment.names:
                 state[name] = value
@@ -421,14 +437,16 @@ class CO2(CheckpointMixin):
             self.optimizer.state.clear()
 
     def _reset_live(self, *, buffers: bool) -> None:
-        """``x <- a`` (``a - own`` under the eager rule), in place; buffers only when told."""
-        for chunk in self.layout.chunks:
+        """``x <- a`` (``a - own`` under the eager rule), in place; buffers only when told. Each
+        process of a worker holds 1/k of the anchor: the worker all-gathers it chunk by chunk."""
+        for chunk, every_shard in zip(self.layout.chunks, self._chunks_of_every_shard):
             lo, mid = chunk.start, chunk.param_stop
             src = self._anchor[lo : chunk.stop]
             if self._own is not None:
                 src = src.clone()
                 src[: mid - lo].sub_(self._own[lo:mid])
-            _scatter_live(chunk, src, len(chunk.live) if buffers else chunk.param_pieces)
+            for part, piece in zip(self.comm.all_gather(src), every_shard):
+                _scatter_live(piece, part, len(piece.live) if buffers else piece.param_pieces)
 
     @torch.no_grad()
     def _apply_in_round(self) -> None:
@@ -449,16 +467,30 @@ class CO2(CheckpointMixin):
         ``-alpha * v``; a round started at ``a - own`` (``own = 0`` under the anchor rule)."""
         alpha = self.config.co2_outer_lr
         v = self._buf if self.config.co2_nesterov else self._momentum
-        for chunk in self.layout.chunks:
+        for chunk, every_shard in zip(self.layout.chunks, self._chunks_of_every_shard):
             lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
-            x = self._gather_live(chunk)
-            x[: mid - lo].sub_(v[lo:mid], alpha=alpha)
+            move = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+            torch.mul(v[lo:mid], -alpha, out=move[: mid - lo])  # parameters: add the anchor's move
             if self._own is not None:
-                x[: mid - lo].add_(self._own[lo:mid])
-            x[mid - lo :].copy_(self._anchor[mid:hi])
-            _scatter_live(chunk, x, len(chunk.live))
+                move[: mid - lo].add_(self._own[lo:mid])
+            move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
+            for part, piece in zip(self.comm.all_gather(move), every_shard):
+                x = self._gather_live(piece)
+                n = piece.param_stop - piece.start
+                x[:n].add_(part[:n])
+                x[n:].copy_(part[n:])
+                _scatter_live(piece, x, len(piece.live))
         if self._own is not None:
             self._own.zero_()  # the round now counts as started at the new anchor
+
+    def _full_anchor(self) -> Tensor:
+        """The whole anchor, all-gathered from the processes of this worker (k > 1)."""
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        shard = self.layout.shard_numel
+        for chunk in self.layout.chunks:
+            for j, part in enumerate(self.comm.all_gather(self._anchor[chunk.start : chunk.stop])):
+                full[j * shard + chunk.start : j * shard + chunk.stop].copy_(part)
+        return full
 
     def _gather_live(self, chunk) -> Tensor:
         x = torch.zeros(chunk.stop - chunk.start, dtype=torch.float32, device=self.device)

@@ -5,9 +5,12 @@ The engine needs five verbs (``docs/algorithm.md``, "Communication"):
 - ``broadcast_``: copy tensors from the first rank to every rank (blocking; at start-up);
 - ``launch``: start a SUM all-reduce of the outer buffer across workers and return at once;
 - ``wait``: block until a launched all-reduce is done (exactly once per launch);
-- ``all_reduce_``: a blocking SUM across workers (data-parallel warm-up only);
-- ``reduce_stats``: sum small statistics over the ranks of one worker (identity when the worker is
-  one process, the only case so far) -- the hook through which sharded state plugs in.
+- ``all_reduce_``: a blocking SUM over every process (data-parallel warm-up only);
+- ``reduce_stats``: sum small statistics over the processes of one worker, whose outer state is
+  sharded between them (identity when a worker is one process);
+- ``all_gather``: the chunks of the anchor held by the processes of one worker (identity for one);
+- ``worker_all_reduce_``: a blocking SUM over the processes of one worker (its gradients, every
+  step, when ``co2_worker_size > 1``).
 
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
 main thread with ``async_op=True``; no Python threads. `LocalCommunicator` is the single-worker
@@ -71,6 +74,12 @@ class Communicator:
     def reduce_stats(self, partials: Tensor) -> Tensor:
         return partials
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return [tensor]
+
+    def worker_all_reduce_(self, tensor: Tensor) -> None:
+        pass
+
 
 class LocalCommunicator(Communicator):
     """One worker, no process group: every collective is the identity."""
@@ -91,21 +100,27 @@ class LocalCommunicator(Communicator):
 
 
 class ProcessGroupCommunicator(Communicator):
-    """CO2's collectives over a torch.distributed process group dedicated to the outer all-reduce.
+    """CO2's collectives over torch.distributed process groups of its own.
 
-    Collectives on one group run in issue order, so the group must carry nothing else while an
-    outer all-reduce is in flight: that is why CO2 creates its own group.
+    ``outer`` carries the outer all-reduce and nothing else: collectives on one group run in issue
+    order, so an in-flight outer all-reduce must not queue other traffic behind it. With
+    ``co2_worker_size = k > 1``, ``outer`` holds the processes with the same index j inside their
+    worker (each all-reduces slice j of the flat outer gradient, so the k slow transfers run in
+    parallel), ``worker`` the k processes of this worker (fast link), ``everyone`` all processes.
     """
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.num_workers = dist.get_world_size(group)
-        self.worker_index = dist.get_rank(group)
-        self._source = dist.get_global_rank(group, 0)
+    def __init__(self, outer: Any, *, worker: Any = None, everyone: Any = None) -> None:
+        self.group, self.worker_group = outer, worker
+        self.everyone = everyone if everyone is not None else outer
+        self.num_workers = dist.get_world_size(outer)
+        self.worker_size = dist.get_world_size(worker) if worker is not None else 1
+        self.worker_index = dist.get_rank(outer)
+        self.shard_index = dist.get_rank(worker) if worker is not None else 0
+        self._source = dist.get_global_rank(self.everyone, 0)
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
         for tensor in tensors:
-            dist.broadcast(tensor, src=self._source, group=self.group)
+            dist.broadcast(tensor, src=self._source, group=self.everyone)
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor)
@@ -119,19 +134,52 @@ class ProcessGroupCommunicator(Communicator):
         pending.work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
     def all_reduce_(self, tensor: Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.everyone)
+
+    def reduce_stats(self, partials: Tensor) -> Tensor:
+        if self.worker_group is not None:
+            dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=self.worker_group)
+        return partials
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        if self.worker_group is None:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(self.worker_size)]
+        dist.all_gather(parts, tensor, group=self.worker_group)
+        return parts
+
+    def worker_all_reduce_(self, tensor: Tensor) -> None:
+        if self.worker_group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.worker_group)
 
 
-def make_communicator(*, process_group: Any = None, state_device: torch.device, timeout_s: float) -> Communicator:
+def make_communicator(
+    *, process_group: Any = None, state_device: torch.device, timeout_s: float, worker_size: int = 1
+) -> Communicator:
     """The communicator for this process: local when torch.distributed is not initialised.
 
-    With ``process_group=None`` CO2 creates a group of its own over all ranks of the default group
-    (every rank must construct CO2 at the same point: creating a group is collective). Host-memory
-    state needs gloo, whatever the default backend.
+    With ``process_group=None`` CO2 creates groups of its own over all ranks of the default group
+    (every rank must construct CO2 at the same point: creating a group is collective). With
+    ``worker_size = k``, ranks ``w*k .. w*k+k-1`` form worker w. Host-memory state needs gloo,
+    whatever the default backend.
     """
     if process_group is None and not dist.is_initialized():
         return LocalCommunicator()
-    if process_group is None:
-        backend = "gloo" if state_device.type == "cpu" else None
-        process_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return ProcessGroupCommunicator(process_group)
+    if process_group is not None:
+        if worker_size != 1:
+            raise ValueError(f"co2_worker_size={worker_size} needs process_group=None: CO2 builds its groups itself")
+        return ProcessGroupCommunicator(process_group)
+    backend = "gloo" if state_device.type == "cpu" else None
+    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if worker_size == 1:
+        return ProcessGroupCommunicator(dist.new_group(**kwargs))
+    everyone = dist.new_group(**kwargs)
+    worker = outer = None
+    for w in range(world // worker_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(w * worker_size, (w + 1) * worker_size)), **kwargs)
+        worker = group if rank // worker_size == w else worker
+    for j in range(worker_size):
+        group = dist.new_group(list(range(j, world, worker_size)), **kwargs)
+        outer = group if rank % worker_size == j else outer
+    return ProcessGroupCommunicator(outer, worker=worker, everyone=everyone)

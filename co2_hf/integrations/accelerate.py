@@ -73,8 +73,11 @@ class CO2Accelerate:
         return boundary
 
     def average_gradients(self) -> None:
-        """For a model *not* wrapped in DDP: average gradients during the warm-up (else no-op)."""
-        if not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+        """Call between ``backward`` and the optimizer step when ``co2_worker_size > 1`` (it averages
+        gradients over the processes of the worker) or when the model is not wrapped in DDP
+        (during the warm-up, over every process); a no-op otherwise."""
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        if not (ddp and self.co2.in_warmup):  # DDP itself synchronises during the warm-up
             self.co2.average_gradients()
 
     def anchor_state(self) -> dict[str, torch.Tensor]:

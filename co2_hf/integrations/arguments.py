@@ -3,7 +3,7 @@
 Everything CO2 cannot work with is refused in ``__post_init__``, before ``TrainingArguments`` sets
 up the device and with it the default process group, so a bad launch fails at once and the same on
 every rank: a bad ``co2_*`` value, DeepSpeed, FSDP, ``parallelism_config``, a per-step token count
-gather, batch dispatching, a ``co2_worker_size`` this engine does not support or that does not
+gather, batch dispatching, a ``co2_worker_size`` that does not
 divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout`` defaults to
 ``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
 """
@@ -83,8 +83,9 @@ def _refuse_unsupported(args: CO2TrainingArguments) -> None:
         )
     if args.fsdp or env_fsdp:
         raise ValueError(
-            "CO2 does not support FSDP across workers (--fsdp): with co2_worker_size=1 every process "
-            "is its own worker. Drop --fsdp, or pass --co2_enabled false."
+            "CO2 does not support --fsdp: the Trainer's FSDP shards the model across every process, "
+            "that is across CO2 workers. Drop --fsdp (with co2_worker_size=k, the k processes of a "
+            "worker train as data parallel), or pass --co2_enabled false."
         )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError(
@@ -96,11 +97,6 @@ def _refuse_unsupported(args: CO2TrainingArguments) -> None:
             f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} gathers a token "
             "count across workers at every step, which CO2 exists to avoid: allowed value with CO2 "
             "is 'no'"
-        )
-    if args.co2_worker_size != 1:
-        raise ValueError(
-            f"co2_worker_size={args.co2_worker_size} is not supported by this version of the engine: "
-            "allowed value is 1 (every process is its own worker)"
         )
     _refuse_dispatch_batches(args)
 

@@ -86,8 +86,9 @@ class CO2Trainer(Trainer):
         return model, train_dataloader
 
     def _co2_wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The one place where a worker's model would be wrapped (DDP/FSDP over the processes of
-        one worker). With ``co2_worker_size=1`` each process is a worker: nothing to wrap."""
+        """The one place where a worker's model is wrapped. Today no wrapper is needed: with
+        ``co2_worker_size = k > 1`` the k processes of a worker keep full replicas and
+        `training_step` averages their gradients through the engine (its worker group)."""
         return model
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
@@ -95,8 +96,9 @@ class CO2Trainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        # during co2_sync_warmup_steps the workers are plain data parallel: average before clipping
-        if self.co2 is not None and self.co2.in_warmup and self.accelerator.sync_gradients:
+        # before clipping: every process during co2_sync_warmup_steps (plain data parallel), then
+        # the k processes of a worker when co2_worker_size = k > 1; nothing otherwise
+        if self.co2 is not None and self.accelerator.sync_gradients:
             self.co2.average_gradients()
         return loss
 
@@ -129,7 +131,9 @@ class CO2Trainer(Trainer):
     # ------------------------------------------------------------------ saving and resuming
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if self.co2 is not None and state_dict is None and self.args.should_save:
+        # with co2_worker_size > 1 the anchor is all-gathered inside the worker: every rank joins
+        needs_gather = self.co2 is not None and self.co2.layout.worker_size > 1
+        if self.co2 is not None and state_dict is None and (self.args.should_save or needs_gather):
             state_dict = checkpoint.anchor_for_saving(self.co2)
         super()._save(output_dir, state_dict=state_dict)
         if self.co2_config is not None and self.args.should_save:
