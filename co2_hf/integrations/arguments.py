@@ -83,9 +83,9 @@ def _refuse_unsupported(args: CO2TrainingArguments) -> None:
         )
     if args.fsdp or env_fsdp:
         raise ValueError(
-            "CO2 does not support --fsdp: the Trainer's FSDP shards the model across every process, "
-            "that is across CO2 workers. Drop --fsdp (with co2_worker_size=k, the k processes of a "
-            "worker train as data parallel), or pass --co2_enabled false."
+            "CO2 does not support FSDP (--fsdp or ACCELERATE_USE_FSDP=true): the Trainer's FSDP shards "
+            "the model across every process, that is across CO2 workers. Drop it (with co2_worker_size=k, "
+            "the k processes of a worker train as data parallel), or pass --co2_enabled false."
         )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError(
