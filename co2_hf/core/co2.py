@@ -61,6 +61,14 @@ class CO2(CheckpointMixin):
         self.config = cfg = config if config is not None else CO2Config()
         if not cfg.co2_enabled:
             raise ValueError("co2_enabled=False: train without CO2 (plain data parallel) instead")
+        if cfg.co2_overlap_steps is not None and cfg.co2_start_rule == "anchor":
+            logger.warning(
+                "CO2: co2_overlap_steps=%d with co2_start_rule='anchor' makes every worker redo the "
+                "first %d steps of its last round and count them twice (docs/algorithm.md, 7a); "
+                "co2_start_rule='eager' avoids it",
+                cfg.co2_overlap_steps,
+                cfg.co2_overlap_steps,
+            )
         self.model, self.optimizer = model, optimizer
         self.device = _state_device(model, cfg)
         self.comm = communicator or make_communicator(
