@@ -23,6 +23,12 @@ TRAINING_DEFAULTS = dict(
     disable_tqdm=True,
 )
 
+# CO2's settings in the recipes, where they differ from CO2Config's (the SPEC's) defaults: the eager
+# start, no outer momentum, no gap penalty. In the staleness study (docs/choosing_settings.md) this
+# was the fully overlapped setting closest to the synchronous methods; the SPEC defaults (anchor
+# start, beta 0.2, gap-aware penalty) trailed SlowMo-style by ~13%. Every one is a flag.
+CO2_RECIPE_DEFAULTS = dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0)
+
 
 def plot_curves(log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss") -> str:
     """Training loss and the evaluated metric against optimizer steps, as a PNG."""
@@ -86,6 +92,21 @@ def train_and_report(trainer, *, start: float, per_step: dict, title: str, metri
         )
         print(f"model and metrics: {args.output_dir}; curves: {plot}")
     return metrics
+
+
+class LRSpike(TrainerCallback):
+    """Multiplies the inner learning rate by ``factor`` for every step of one round (steps
+    ``round * tau`` to ``(round + 1) * tau - 1``): the disturbance of the clipping ablation
+    (recipes/README.md). The scheduler sets the rate anew after each step, so the spike ends with
+    the round."""
+
+    def __init__(self, round_index: int, factor: float, tau: int) -> None:
+        self.first, self.last, self.factor = round_index * tau, (round_index + 1) * tau - 1, factor
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and self.first <= state.global_step <= self.last:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.factor
 
 
 class WallClock(TrainerCallback):

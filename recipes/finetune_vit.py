@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from common import TRAINING_DEFAULTS, WallClock, train_and_report
+from common import CO2_RECIPE_DEFAULTS, TRAINING_DEFAULTS, WallClock, train_and_report
 from transformers import HfArgumentParser, ViTConfig, ViTForImageClassification
 
 from co2_hf import CO2Trainer, CO2TrainingArguments
@@ -159,6 +159,7 @@ def parse(argv: list[str] | None = None):
         weight_decay=0.05,
         remove_unused_columns=False,
         **{**TRAINING_DEFAULTS, "eval_steps": 25},
+        **CO2_RECIPE_DEFAULTS,
     )
     return parser.parse_args_into_dataclasses(args=argv)
 

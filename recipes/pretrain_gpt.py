@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common import TRAINING_DEFAULTS, WallClock, train_and_report
+from common import CO2_RECIPE_DEFAULTS, TRAINING_DEFAULTS, LRSpike, WallClock, train_and_report
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -50,6 +50,10 @@ class ModelArguments:
     config_name: str | None = field(default=None, metadata={"help": "a config to build the model from instead"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "pretrained tokenizer; else train a BPE"})
     vocab_size: int = field(default=4096, metadata={"help": "vocabulary of the trained BPE tokenizer"})
+    lr_spike_round: int | None = field(
+        default=None, metadata={"help": "clipping ablation: multiply the inner lr for this round (0-based)"}
+    )
+    lr_spike_factor: float = field(default=10.0, metadata={"help": "the multiplier of --lr_spike_round"})
 
 
 @dataclass
@@ -209,8 +213,13 @@ def parse(argv: list[str] | None = None):
         learning_rate=1e-3,
         weight_decay=0.1,
         **TRAINING_DEFAULTS,
+        **CO2_RECIPE_DEFAULTS,
     )
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if model_args.lr_spike_round is not None and model_args.lr_spike_round < 0:
+        raise ValueError(f"--lr_spike_round={model_args.lr_spike_round}: allowed values are rounds >= 0")
+    if model_args.lr_spike_factor <= 0:
+        raise ValueError(f"--lr_spike_factor={model_args.lr_spike_factor}: allowed values are > 0")
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming needs --max_steps: a stream has no length to derive epochs from")
     return model_args, data_args, training_args
@@ -230,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     elif data_args.max_eval_samples is not None:
         validation = validation.take(data_args.max_eval_samples)
     model = build_model(model_args, tokenizer, data_args.block_size)
+    callbacks = [WallClock(training_args.output_dir)]
+    if model_args.lr_spike_round is not None:
+        callbacks.append(LRSpike(model_args.lr_spike_round, model_args.lr_spike_factor, training_args.co2_local_steps))
     trainer = CO2Trainer(
         model=model,
         args=training_args,
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=validation,
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        callbacks=[WallClock(training_args.output_dir)],
+        callbacks=callbacks,
     )
     tokens_per_step = (
         training_args.per_device_train_batch_size

@@ -145,6 +145,54 @@ def plot(runs: dict[str, list[Path]], metric: str, path: Path, title: str) -> No
     plt.close(fig)
 
 
+def co2_metric_series(output_dir: Path, key: str) -> list[tuple[int, float]]:
+    """A logged CO2 metric (e.g. ``co2/momentum_norm``) against the step it was logged at; with
+    ``--logging_steps`` equal to tau each point is one round."""
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return [(e["step"], e[key]) for e in history if key in e]
+
+
+def plot_co2_metric(runs: dict[str, list[Path]], key: str, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (method, dirs) in enumerate(runs.items()):
+        for j, d in enumerate(dirs):
+            points = co2_metric_series(d, key)
+            if points:
+                label = LABELS.get(method, method) if j == 0 else None
+                ax.plot(*zip(*points), marker=".", color=f"C{i}", alpha=0.8, label=label)
+    ax.set_xlabel("optimizer step (one point per logging window)")
+    ax.set_ylabel(key + (" (L2 norm, parameter units)" if key.endswith("norm") else ""))
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(lines: list[dict], metric: str) -> str:
+    """Markdown: mean and standard deviation of the final metric per method, and the mean against
+    SlowMo-style and data parallel when they ran."""
+    by_method: dict[str, list[float]] = {}
+    for line in lines:
+        by_method.setdefault(line["method"], []).append(line[metric])
+    means = {m: statistics.fmean(v) for m, v in by_method.items()}
+    refs = [r for r in ("slowmo", "dp") if r in means]
+    head = f"| method | runs | {metric} mean | std |" + "".join(f" / {r} |" for r in refs)
+    rows = [head, "|---" * (4 + len(refs)) + "|"]
+    for method, values in by_method.items():
+        std = statistics.stdev(values) if len(values) > 1 else float("nan")
+        ratios = "".join(f" {means[method] / means[r]:.3f} |" for r in refs)
+        rows.append(f"| {LABELS.get(method, method)} | {len(values)} | {means[method]:.4f} | {std:.4f} |{ratios}")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", choices=sorted(RECIPES), required=True)
@@ -157,6 +205,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--timeout_s", type=float, default=3600, help="bound on each run")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--plot_co2_metric", default=None, help="also plot this logged metric per run, e.g. co2/momentum_norm"
+    )
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: flags for every run")
     args = parser.parse_args()
     args.recipe_args = [a for a in args.recipe_args if a != "--"]
@@ -164,6 +215,7 @@ def main() -> None:
     metric = "eval_accuracy" if args.recipe == "vit" else "eval_loss"
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Path]] = {}
+    lines = []
     for method, flags in methods.items():
         for seed in args.seeds:
             output_dir = args.out / f"{method}_seed{seed}"
@@ -173,9 +225,15 @@ def main() -> None:
             with open(args.out / "runs.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             runs.setdefault(method, []).append(output_dir)
+            lines.append(line)
     title = f"{args.recipe.upper()} recipe, {args.nproc} workers, {args.max_steps} steps"
     plot(runs, metric, args.out / "curves.png", title)
+    print(table(lines, metric))
     print(f"plot: {args.out / 'curves.png'}")
+    if args.plot_co2_metric:
+        path = args.out / (args.plot_co2_metric.replace("/", "_") + ".png")
+        plot_co2_metric(runs, args.plot_co2_metric, path, f"{title}: {args.plot_co2_metric}")
+        print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 
-def _compare(tmp_path: Path, recipe: str, methods: list[str], *extra: str, port: int) -> list[dict]:
+def _compare(
+    tmp_path: Path, recipe: str, methods: list[str], *extra: str, port: int, options: tuple[str, ...] = ()
+) -> list[dict]:
     command = [
         sys.executable,
         str(ROOT / "scripts/compare_methods.py"),
@@ -33,6 +35,7 @@ def _compare(tmp_path: Path, recipe: str, methods: list[str], *extra: str, port:
         "150",
         "--out",
         str(tmp_path),
+        *options,
         "--",
         "--eval_steps",
         "2",
@@ -41,6 +44,7 @@ def _compare(tmp_path: Path, recipe: str, methods: list[str], *extra: str, port:
     done = subprocess.run(command, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert "| method | runs |" in done.stdout  # the summary table
     return [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
 
 
@@ -58,8 +62,14 @@ def test_gpt_recipe_offline_default_two_processes(tmp_path):
         "512",
         "--co2_local_steps",
         "2",
+        "--lr_spike_round",
+        "1",
+        "--logging_steps",
+        "2",
         port=29561,
+        options=("--plot_co2_metric", "co2/momentum_norm"),
     )
+    assert (tmp_path / "co2_momentum_norm.png").stat().st_size > 10_000
     assert line["world_size"] == 2 and line["max_steps"] == 4 and line["perplexity"] > 1
     folder = tmp_path / "co2_seed0"
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -108,3 +118,28 @@ def test_paper_scale_commands_parse_and_build_their_config(capsys):
     assert "GPT-2 small n_embd=768 n_layer=12 ~124M" in out
     assert "co2_local_steps=12" in out and "co2_local_steps=48" in out
     assert "ViT hidden=768 layers=12 image=224 patch=16" in out or "dry run: ViT" in out
+
+
+@pytest.mark.timeout(20)
+def test_lr_spike_multiplies_the_rate_for_exactly_one_round():
+    from types import SimpleNamespace
+
+    from common import LRSpike
+
+    spike = LRSpike(round_index=1, factor=10.0, tau=3)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 1.0}])
+    seen = []
+    for step in range(9):
+        optimizer.param_groups[0]["lr"] = 1.0  # what the scheduler sets after every step
+        spike.on_step_begin(None, SimpleNamespace(global_step=step), None, optimizer=optimizer)
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen == [1, 1, 1, 10, 10, 10, 1, 1, 1]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("flags", [["--lr_spike_round", "-1"], ["--lr_spike_factor", "0"]])
+def test_bad_spike_flags_are_refused_with_the_flag_named(flags):
+    import pretrain_gpt
+
+    with pytest.raises(ValueError, match=flags[0]):
+        pretrain_gpt.parse(["--output_dir", "unused", *flags])
