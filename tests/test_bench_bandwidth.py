@@ -1,0 +1,143 @@
+"""scripts/bench_bandwidth.py and scripts/scaling_model.py: the namespace plan in a dry run (no root),
+tear-down on failure, the steady-state summary, a loopback smoke run, and the model's formulas."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_bandwidth as bb  # noqa: E402
+import scaling_model as sm  # noqa: E402
+
+
+def _dry_run_commands(capsys, *argv: str) -> list[str]:
+    bb.main(["--dry-run", *argv])
+    return [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
+
+
+@pytest.mark.timeout(20)
+def test_dry_run_deletes_everything_it_creates_and_shapes_both_directions(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the dry run must not need root
+    commands = _dry_run_commands(capsys)
+    created, deleted = [], set()
+    for i, cmd in enumerate(commands):
+        words = cmd.split()
+        if words[:3] == ["ip", "netns", "add"]:
+            created.append((words[3], i))
+        elif "link" in words and "add" in words:
+            at = words.index("add")
+            created.append((words[at + 1], i))
+            if "peer" in words:
+                created.append((words[words.index("peer") + 2], i))
+        elif words[-2:-1] == ["del"] or words[:3] == ["ip", "netns", "del"]:
+            deleted.add((words[-1], i))
+    assert created and all(name.startswith("co2b-") for name, _ in created)
+    for name, at in created:  # every namespace and link has a delete after its creation
+        assert any(d == name and i > at for d, i in deleted), name
+    # 4 nodes behind a bridge: 8 shaped ends (each node's upload and its download on the switch side)
+    tbf = [c for c in commands if "tbf rate 100mbit" in c and "co2b-sw" in c]
+    assert len(tbf) == 4 and any("tbf rate 100mbit" in c and "co2b-n3 " in c for c in commands)
+    assert any(c.startswith("tc -n co2b-n0 qdisc del dev co2b-e0 root") for c in commands)  # unshaped
+    assert any("GLOO_SOCKET_IFNAME=co2b-e1 ip netns exec co2b-n1" in c for c in commands)
+
+
+@pytest.mark.timeout(20)
+def test_ranks_per_node_share_a_namespace(capsys):
+    commands = _dry_run_commands(capsys, "--ranks", "4", "--ranks-per-node", "2", "--no-extras", "--rates", "1gbit")
+    launches = [c for c in commands if "--worker" in c]
+    assert [c.split("ip netns exec ")[1].split()[0] for c in launches] == ["co2b-n0", "co2b-n0", "co2b-n1", "co2b-n1"]
+    assert not any("co2b-sw" in c for c in commands)  # two nodes: one veth pair, no bridge
+
+
+@pytest.mark.timeout(20)
+def test_refuses_without_root_and_tears_down_after_a_failed_setup(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="root"):
+        bb.main(["--rates", "100mbit", "--no-extras"])
+    ran = []
+
+    def execute(cmd, *, check):
+        ran.append(" ".join(cmd))
+        if len(ran) == 6 and check:
+            raise RuntimeError("setup failed")
+
+    monkeypatch.setattr(bb, "_execute", execute)
+    with pytest.raises(RuntimeError, match="setup failed"):
+        with bb.Network(2):
+            pass
+    _, down = bb.network_commands(2)
+    assert ran[-len(down) :] == [" ".join(c) for c in down]
+    network = bb.Network(2)
+    network.close()
+    network.close()  # atexit calls it again: a no-op
+    assert ran.count("ip netns del co2b-n0") == 2
+
+
+@pytest.mark.timeout(10)
+def test_steady_state_summary_by_hand():
+    run = bb.Run("co2", tau=2, rounds=4)
+    rank = {"times": [9, 9, 1, 2, 1, 4, 9, 9], "waits": [0, 0.5, 1.5, 7], "comms": [0, 2, 2, 7], "load_1m": 2.0}
+    block = bb.Block(2, 1, "100mbit", "tiny", [run])
+    line = bb.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
+    assert line["step_time_s"] == 1.5  # median of the steady steps 1, 2, 1, 4
+    assert line["time_per_step_s"] == 2.0  # steady rounds take 3 and 5 s: median 4, over tau 2
+    assert line["exposed_comm_per_round_s"] == 1.5  # max over ranks per round: 0.5 and 2.5
+    assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
+    assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
+    assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * bb.BATCH * bb.SEQ / 2.0
+
+
+@pytest.mark.timeout(90)
+def test_loopback_smoke_run(tmp_path, capsys):
+    out, png = tmp_path / "out.jsonl", tmp_path / "plot.png"
+    argv = ["--loopback", "--rates", "unshaped", "--no-extras", "--model", "tiny", "--taus", "2"]
+    bb.main(
+        [*argv, "--min-steps", "8", "--ddp-steps", "4", "--limit-steps", "4", "--out", str(out), "--plot", str(png)]
+    )
+    assert capsys.readouterr().out.startswith("# plan:")  # the estimate comes first
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    methods = [x["method"] for x in lines]
+    assert methods == ["probe", "no_comm"] + [m for x in ("ddp", "local_sgd", "diloco", "co2") for m in (x, "no_comm")]
+    for line in lines[1:]:
+        assert line["tokens_per_s"] > 0 and line["rel_to_limit"] > 0 and "error" not in line
+    runs = lines[2::2]
+    assert all(0 <= line["hidden_frac"] <= 1 for line in runs)
+    assert runs[-1]["tau"] == 2 and runs[-1]["comm_s"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(10)
+def test_scaling_model_formulas_by_hand():
+    assert sm.ring_allreduce_s(1e6, 2, 8e6) == pytest.approx(1.0)  # each node sends the payload once
+    assert sm.ring_allreduce_s(1e6, 4, 8e6) == pytest.approx(1.5)  # 2 (G-1)/G
+    assert sm.ring_allreduce_s(1e6, 1, 8e6) == 0.0
+    # 1e6 fp32 parameters, 2 workers at 32 Mbit/s: one all-reduce takes 1 s
+    args = (0.5, 1e6, 32e6, 2)
+    assert sm.step_time_s("data_parallel", *args) == pytest.approx(1.5)
+    assert sm.step_time_s("local_sgd", *args, tau=4) == pytest.approx(0.75)
+    assert sm.step_time_s("co2", *args, tau=4) == pytest.approx(0.5)  # 1 s hides behind 2 s of compute
+    assert sm.step_time_s("co2", *args, tau=1) == pytest.approx(1.0)  # 0.5 s of the 1 s exposed
+    assert sm.step_time_s("no_comm", *args) == 0.5
+    # 2 -> 4 workers: the all-reduce grows from 1 to 1.5 s; data parallel keeps 1.5 / 2 of linear scaling
+    assert sm.scalability("data_parallel", *args[:3], 2, 4) == pytest.approx(0.75)
+    assert sm.scalability("co2", *args[:3], 2, 4, tau=4) == pytest.approx(1.0)
+    assert sm.gpt2_params(bb.MODELS["small"]) == 10_293_504  # counted by torch on the real model
+    assert sm.gpt2_params(sm.GPT2_SMALL) == 124_439_808  # GPT-2 small as published by OpenAI/HF
+
+
+@pytest.mark.timeout(10)
+def test_markdown_table_lists_the_methods_only():
+    common = {"rate": "100mbit", "ranks": 2, "model": "small", "allreduce_alone_s": 3.5, "load_1m": 1.0}
+    run = {"time_per_step_s": 0.5, "tokens_per_s": 970.0, "rel_to_limit": 0.78, "exposed_comm_per_round_s": 0.0}
+    lines = [
+        {**common, "method": "probe"},
+        {**common, **run, "method": "no_comm", "tau": None, "hidden_frac": None},
+        {**common, **run, "method": "co2", "tau": 12, "hidden_frac": 1.0},
+    ]
+    rows = bb.markdown_table(lines).splitlines()
+    assert len(rows) == 3 and rows[2].startswith("| 100mbit | 2 | small | co2 | 12 | 0.500 | 970 | **0.78** |")
