@@ -56,6 +56,7 @@ def main() -> None:
             tokens = tokens.to(accelerator.device)
             loss = model(input_ids=tokens, labels=tokens).loss
             accelerator.backward(loss)
+            co2.average_gradients()  # inside a worker of co2_worker_size > 1; a no-op otherwise
             optimizer.step()
             optimizer.zero_grad()
             if co2.step() and co2.co2.round % 2 == 0:

@@ -34,11 +34,16 @@ def family(config: str) -> str:
 
 
 def load(paths: list[Path]) -> dict[tuple, list[dict]]:
-    runs = defaultdict(list)
+    """Runs grouped by (model, steps, tau, config); a (config, seed) met twice (a screening file and
+    a finalists file) counts once, the later line winning."""
+    by_seed: dict[tuple, dict] = {}
     for path in paths:
         for line in path.read_text().splitlines():
             run = json.loads(line)
-            runs[(run["model"], run["steps"], run["tau"], run["config"])].append(run)
+            by_seed[(run["model"], run["steps"], run["tau"], run["config"], run["seed"])] = run
+    runs = defaultdict(list)
+    for key, run in by_seed.items():
+        runs[key[:4]].append(run)
     return runs
 
 

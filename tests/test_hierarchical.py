@@ -80,16 +80,16 @@ def test_stop_and_resume_with_two_processes_per_worker_is_bit_identical(tmp_path
 @pytest.mark.timeout(240)
 def test_trainer_with_two_processes_per_worker_resumes_bit_for_bit(tmp_path):
     """CO2Trainer, 4 processes as 2 workers of 2: stopped mid-round with a checkpoint, resumed."""
-    from trainer_workers import STOP_AT, resumed, uninterrupted_and_stopped
+    from trainer_workers import STOP_AT, stopped_then_resumed_in_process
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "run")
-    first = run_processes(uninterrupted_and_stopped, 4, out, {"co2_worker_size": K}, timeout_s=200)
-    final = run_processes(resumed, 4, out, {"co2_worker_size": K}, timeout_s=200)
+    runs = run_processes(stopped_then_resumed_in_process, 4, out, {"co2_worker_size": K}, timeout_s=200)
     for rank in range(4):
-        for key, value in first[rank]["full"].items():
-            assert torch.equal(final[rank][key], value), (rank, key)
-            assert torch.equal(final[rank][key], final[0][key]), (rank, key)  # one anchor everywhere
+        assert runs[rank]["stopped_at"] == STOP_AT
+        for key, value in runs[rank]["full"].items():
+            assert torch.equal(runs[rank]["final"][key], value), (rank, key)
+            assert torch.equal(runs[rank]["final"][key], runs[0]["final"][key]), (rank, key)  # one anchor
     checkpoint = tmp_path / "run" / f"checkpoint-{STOP_AT}"
     assert sorted(p.name for p in checkpoint.glob("co2_rank*.pt")) == [f"co2_rank{r}.pt" for r in range(4)]
     AutoModelForCausalLM.from_pretrained(checkpoint)  # the gathered anchor, a normal model folder

@@ -203,6 +203,13 @@ def resumed(rank: int, world: int, out: str, overrides: dict | None = None) -> d
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
+def stopped_then_resumed_in_process(rank: int, world: int, out: str, overrides: dict | None = None) -> dict:
+    """``uninterrupted_and_stopped`` and ``resumed`` in one spawn: for the 4-process variant, where a
+    second spawn costs more than the test; fresh-process resume is covered with 2 processes."""
+    first = uninterrupted_and_stopped(rank, world, out, overrides)
+    return {**first, "final": resumed(rank, world, out, overrides)}
+
+
 def two_process_suite(rank: int, world: int, out: str) -> dict:
     return {
         "co2": co2_run(rank, world, out + "/co2"),
