@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Every simulated-worker sweep behind docs/choosing_settings.md, in the order it ran (each line
+# appends one JSON line per run to its file; about 5 minutes per micro 600-step run on one core).
+set -u
+cd "$(dirname "$0")/.."
+S="nice -n 5 .venv/bin/python scripts/sim_sweep.py --model micro --jobs 2"
+# screening, seed 0, tau 12, 600 steps
+$S --steps 600 --seeds 0 --out results/screen_micro_600.jsonl --configs dp slowmo co2_default eager \
+  win2 win2_eager local_sgd diloco co2_nopen co2_b0 win2_eager_b0 eager_b0 win1_eager_b0 win3_eager_b0 \
+  win6_eager_b0 win2_eager_b2 eager_b0_pen
+# finalists, seeds 0-2 (seed 0 reruns the screening's runs bit for bit)
+$S --steps 600 --seeds 0 1 2 --configs dp local_sgd slowmo eager_b0 win2_eager_b0 --out results/finalists_micro_600.jsonl
