@@ -52,13 +52,9 @@ def snapshot(co2: CO2, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: state[n].detach().double().clone() for n in names}
 
 
-def train_engine(rank: int, world: int, cfg_kwargs: dict, steps: int, opt: str = "adam") -> dict:
-    """Train TinyNet with the real engine; return the anchor after every boundary and at the end."""
-    model = TinyNet(seed=rank)
-    # the synchronised entries; the frozen layer and the integer BN counter stay per rank
-    names = [n for n in model.state_dict() if not n.startswith("frozen.") and "num_batches" not in n]
-    optimizer = make_optimizer(model, opt)
-    co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+def _train_rounds(model, optimizer, co2: CO2, rank: int, steps: int, names: list[str]) -> list[dict]:
+    """The engine's training loop on rank ``rank``'s batches: the anchor after every boundary and
+    after ``finalize``."""
     anchors = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -69,6 +65,17 @@ def train_engine(rank: int, world: int, cfg_kwargs: dict, steps: int, opt: str =
             anchors.append(snapshot(co2, names))
     co2.finalize()
     anchors.append(snapshot(co2, names))
+    return anchors
+
+
+def train_engine(rank: int, world: int, cfg_kwargs: dict, steps: int, opt: str = "adam") -> dict:
+    """Train TinyNet with the real engine; return the anchor after every boundary and at the end."""
+    model = TinyNet(seed=rank)
+    # the synchronised entries; the frozen layer and the integer BN counter stay per rank
+    names = [n for n in model.state_dict() if not n.startswith("frozen.") and "num_batches" not in n]
+    optimizer = make_optimizer(model, opt)
+    co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+    anchors = _train_rounds(model, optimizer, co2, rank, steps, names)
     live = {n: t.detach().double().clone() for n, t in model.state_dict().items()}
     return {"anchors": anchors, "live": live, "metrics": co2.pop_metrics()}
 
@@ -240,16 +247,7 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
     launched = []
     launch = co2.comm.launch
     co2.comm.launch = lambda t: launched.append(t.numel() * t.element_size()) or launch(t)
-    anchors = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        loss_on(model, rank, step).backward()
-        co2.average_gradients()
-        optimizer.step()
-        if co2.step():
-            anchors.append(snapshot(co2, names))
-    co2.finalize()
-    anchors.append(snapshot(co2, names))
+    anchors = _train_rounds(model, optimizer, co2, rank, steps, names)
     return {
         "anchors": anchors,
         "launched_bytes": launched,
