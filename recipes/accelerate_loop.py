@@ -65,6 +65,8 @@ def main() -> None:
     # leaving the block finalized CO2: every process now holds the final anchor
     accelerator.unwrap_model(model).save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
     accelerator.print(f"final loss {loss.item():.3f}; model saved to {args.output_dir}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process groups on every rank before interpreter exit
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ def train_and_report(trainer, *, start: float, per_step: dict, title: str, metri
             + (f", perplexity {metrics['perplexity']:.1f}" if "perplexity" in metrics else "")
         )
         print(f"model and metrics: {args.output_dir}; curves: {plot}")
+    # Tear the process groups down on every rank together: left to interpreter exit, gloo's
+    # threads can abort a rank that finishes first ("terminate called without an active exception").
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return metrics
 
 
