@@ -19,10 +19,11 @@ def gap_aware_penalty(d: Tensor, u: Tensor, mean_abs_d: Tensor, lam: float) -> T
 
     ``d`` is the stale averaged outer gradient D, ``u = alpha * m`` the anchor's move since D's base
     was current, ``mean_abs_d`` the mean of ``|D|`` over D's whole tensor, broadcast to ``d``'s
-    shape. Where the anchor already moved further than a typical element of D, that element is damped
-    in proportion; ``u = 0`` gives ``P = 1``. ``d`` itself only fixes the shape and device.
+    shape, or a 0-d tensor for one whole tensor (what the engine passes: no per-element copy of the
+    mean). Where the anchor already moved further than a typical element of D, that element is damped
+    in proportion; ``u = 0`` gives ``P = 1``. ``d`` itself only fixes the dtype.
     """
-    gap = u.abs().div_(mean_abs_d + EPS).mul_(lam)
+    gap = u.abs().mul_(lam / (mean_abs_d + EPS))
     return gap.clamp_(min=1.0).reciprocal_().to(d.dtype)
 
 
