@@ -21,8 +21,12 @@ block (one rate, one topology, one model) first times a blocking all-reduce of t
 the ranks at tau 48, and the large model (DiLoCo communicates exactly as local SGD: left out there).
 
 Steady state: a run's first and last round are excluded (a round is tau steps; one step for ddp and
-no_comm). Fields of each JSON line: ``step_time_s`` (median step), ``time_per_step_s`` (median round
-/ tau: includes the boundary step and any exposed wait), ``tokens_per_s`` (all ranks),
+no_comm). Every number is the slowest rank's: a method that synchronises runs at its pace, so the
+limit of a data-parallel job is the slowest rank too (the cores of a shared machine differ by a few
+percent from run to run). ``--repeats N`` runs every method N times in one block (each between two
+no_comm runs); ``--table`` then gives the median of each cell. Fields of each JSON line:
+``step_time_s`` (median step), ``time_per_step_s`` (median round / tau: includes the boundary step
+and any exposed wait), ``tokens_per_s`` (all ranks at that pace),
 ``allreduce_alone_s`` (the block's probe), ``exposed_comm_per_round_s`` (CO2 engine: the wait at a
 boundary, max over ranks, median over rounds; ddp: its step time minus the limit's),
 ``exposed_frac_of_round`` and ``comm_over_compute`` (exposed time and all-reduce alone over one
@@ -50,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench_overlap import BATCH, MODEL, SEQ
+from bench_overlap import MODEL, SEQ
 from scaling_model import gpt2_params, ring_allreduce_s, step_time_s
 
 PREFIX = "co2b"  # every namespace and link this script makes starts with it
@@ -66,7 +70,11 @@ MODELS = {
     "large": {**MODEL, "n_embd": 512, "n_layer": 8, "n_head": 8},
     "tiny": {**MODEL, "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 2},
 }
-STEP_S = {"small": 0.45, "large": 1.3, "tiny": 0.02}  # compute per step, 2 ranks on 2 cores: the estimate
+# Compute per step at the default micro-batch, 2 ranks on 2 cores (measured here): the estimate.
+# The default batch makes one round at tau 12 several times the 100 Mbit/s all-reduce of the
+# small model (the regime the issue's target names); a step is then ~0.76 s.
+DEFAULT_BATCH = 16
+STEP_S = {"small": 0.76, "large": 2.07, "tiny": 0.03}
 STARTUP_S = 20.0  # ranks importing torch and transformers
 UNSHAPED_BPS = 5e9
 
@@ -87,6 +95,13 @@ class Block:
     rate: str
     model: str
     runs: list[Run]
+    batch: int = DEFAULT_BATCH  # sequences of SEQ tokens per rank and step
+
+    @property
+    def step_s(self) -> float:
+        """Estimated compute per step (ranks beyond the cores share them)."""
+        share = max(1.0, self.ranks / (os.cpu_count() or 1))
+        return STEP_S[self.model] * self.batch / DEFAULT_BATCH * share
 
     @property
     def nodes(self) -> int:
@@ -122,9 +137,10 @@ def switch_dev(i: int) -> str:
 SWITCH_NS, BRIDGE = f"{PREFIX}-sw", f"{PREFIX}-br"
 
 
-def network_commands(nodes: int) -> tuple[list[list[str]], list[list[str]]]:
+def network_commands(nodes: int, mtu: int = 1500) -> tuple[list[list[str]], list[list[str]]]:
     """Set-up and tear-down commands for ``nodes`` namespaces; veths are created inside them, so a
-    failed set-up never leaves a link in the root namespace."""
+    failed set-up never leaves a link in the root namespace. ``mtu``: of every veth end (1500, plain
+    Ethernet; 9000, datacenter jumbo frames: fewer packets for the kernel to handle per byte)."""
     names = [node_ns(i) for i in range(nodes)] + ([SWITCH_NS] if nodes > 2 else [])
     up = [f"ip netns add {ns}" for ns in names] + [f"ip -n {ns} link set lo up" for ns in names]
     down = [f"ip -n {node_ns(i)} link del {node_dev(i)}" for i in range(nodes)]
@@ -137,9 +153,11 @@ def network_commands(nodes: int) -> tuple[list[list[str]], list[list[str]]]:
             up.append(
                 f"ip link add {node_dev(i)} netns {node_ns(i)} type veth peer name {switch_dev(i)} netns {SWITCH_NS}"
             )
+            up.append(f"{sw} set {switch_dev(i)} mtu {mtu}")
             up += [f"{sw} set {switch_dev(i)} master {BRIDGE}", f"{sw} set {switch_dev(i)} up"]
         down += [f"{sw} del {switch_dev(i)}" for i in range(nodes)] + [f"{sw} del {BRIDGE}"]
     for i in range(nodes):
+        up.append(f"ip -n {node_ns(i)} link set {node_dev(i)} mtu {mtu}")
         up.append(f"ip -n {node_ns(i)} addr add {SUBNET}.{i + 1}/24 dev {node_dev(i)}")
         up.append(f"ip -n {node_ns(i)} link set {node_dev(i)} up")
     down += [f"ip netns del {ns}" for ns in names]
@@ -170,9 +188,9 @@ def _execute(cmd: list[str], *, check: bool) -> None:
 class Network:
     """One topology's namespaces: built on enter, removed once on exit, error, signal or atexit."""
 
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, mtu: int = 1500) -> None:
         self.nodes = nodes
-        self.up, self.down = network_commands(nodes)
+        self.up, self.down = network_commands(nodes, mtu)
         self.closed = False
 
     def __enter__(self) -> Network:
@@ -236,10 +254,11 @@ def make_block(args, *, ranks: int, model: str, rate: str, taus: list[int], meth
     runs = [Run("ddp", 1, args.ddp_steps)] if "ddp" in methods else []
     for tau in taus:
         runs += [Run(m, tau, rounds_for(tau, args)) for m in methods if m in CO2_SETTINGS]
+    runs = runs * args.repeats
     if "no_comm" in methods:
         limit = Run("no_comm", 1, args.limit_steps)
         runs = [limit] + [r for run in runs for r in (run, limit)]
-    return Block(ranks, args.ranks_per_node, rate, model, runs)
+    return Block(ranks, args.ranks_per_node, rate, model, runs, batch=args.batch)
 
 
 def build_plan(args) -> list[Block]:
@@ -262,9 +281,8 @@ def _method_and_link(run: Run, block: Block) -> tuple[str, float]:
 
 def estimate_run_s(run: Run, block: Block) -> float:
     """scaling_model's step time with this machine's compute per step (ranks beyond the cores share them)."""
-    compute = STEP_S[block.model] * max(1.0, block.ranks / (os.cpu_count() or 1))
     method, bps = _method_and_link(run, block)
-    step = step_time_s(method, compute, gpt2_params(MODELS[block.model]), bps, block.nodes, tau=run.tau)
+    step = step_time_s(method, block.step_s, gpt2_params(MODELS[block.model]), bps, block.nodes, tau=run.tau)
     return run.tau * run.rounds * step
 
 
@@ -272,7 +290,7 @@ def startup_estimate_s(block: Block) -> float:
     """Ranks importing torch and transformers, the probe's three all-reduces, four warm-up steps."""
     _, bps = _method_and_link(Run("ddp", 1, 1), block)
     probe = ring_allreduce_s(4 * gpt2_params(MODELS[block.model]), block.nodes, bps)
-    return STARTUP_S * max(1.0, block.ranks / (os.cpu_count() or 1)) + 3 * probe + 4 * STEP_S[block.model]
+    return STARTUP_S * max(1.0, block.ranks / (os.cpu_count() or 1)) + 3 * probe + 4 * block.step_s
 
 
 def estimate_block_s(block: Block) -> float:
@@ -292,7 +310,7 @@ def build_model(cfg: dict, seed: int):
     return GPT2LMHeadModel(GPT2Config(**cfg))
 
 
-def train(run: Run, cfg: dict, rank: int, device: str) -> dict:
+def train(run: Run, cfg: dict, rank: int, device: str, batch: int) -> dict:
     """One method for tau x rounds steps; per-step times and, for the CO2 engine, waits per boundary."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -309,7 +327,7 @@ def train(run: Run, cfg: dict, rank: int, device: str) -> dict:
     gen = torch.Generator().manual_seed(rank)
     times, waits, comms = [], [], []
     for _ in range(run.tau * run.rounds):
-        tokens = torch.randint(0, cfg["vocab_size"], (BATCH, SEQ), generator=gen).to(device)
+        tokens = torch.randint(0, cfg["vocab_size"], (batch, SEQ), generator=gen).to(device)
         start = time.perf_counter()
         optimizer.zero_grad()
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -347,10 +365,11 @@ def worker(spec_path: str) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     _write_json(out / f"probe.rank{rank}.json", {"allreduce_alone_s": allreduce_alone(gpt2_params(cfg), 3)})
-    train(Run("no_comm", 1, 4), cfg, rank, spec["device"])  # untimed: first calls are slow in every process
+    batch = spec["batch"]
+    train(Run("no_comm", 1, 4), cfg, rank, spec["device"], batch)  # untimed: first calls are slow everywhere
     for i, run in enumerate(spec["runs"]):
         dist.barrier()  # every run starts together
-        _write_json(out / f"run{i}.rank{rank}.json", train(Run(**run), cfg, rank, spec["device"]))
+        _write_json(out / f"run{i}.rank{rank}.json", train(Run(**run), cfg, rank, spec["device"], batch))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -394,7 +413,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 def run_block(block: Block, workdir: Path, *, port: int, loopback: bool, device: str) -> tuple[list, list]:
     """Launch the ranks; return the probe per rank and, per run, its results per rank or an error."""
-    spec = {"model": block.model, "device": device, "out_dir": str(workdir), "timeout_s": 900}
+    spec = {"model": block.model, "batch": block.batch, "device": device, "out_dir": str(workdir), "timeout_s": 900}
     spec["runs"] = [asdict(r) for r in block.runs]
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -439,6 +458,13 @@ def _steady_per_step(run: Run, times: list[float]) -> float:
     return statistics.median(rounds) / run.tau
 
 
+def _slowest_per_step(run: Run, per_rank: list[dict]) -> float:
+    """The slowest rank's steady time per step. Any method that synchronises runs at its pace (the
+    others wait for it), so the no-communication limit of a data-parallel job is the slowest rank
+    too; the cores of a shared machine differ in speed by a few percent from run to run."""
+    return max(_steady_per_step(run, r["times"]) for r in per_rank)
+
+
 def probe_line(block: Block, probe: list[dict]) -> dict:
     seconds = max(p["allreduce_alone_s"] for p in probe)
     params = gpt2_params(MODELS[block.model])
@@ -461,21 +487,22 @@ def _ids(block: Block) -> dict:
         "ranks_per_node": block.ranks_per_node,
         "model": block.model,
         "params": gpt2_params(MODELS[block.model]),
+        "batch": block.batch,
     }
 
 
 def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: float | None) -> dict:
     """The JSON line of one run; ``limit`` is the block's no_comm time per step."""
     step = statistics.median(statistics.median(r["times"][run.tau : run.tau * (run.rounds - 1)]) for r in per_rank)
-    per_step = [_steady_per_step(run, r["times"]) for r in per_rank]
+    slowest = _slowest_per_step(run, per_rank)
     line = {
         **_ids(block),
         "method": run.method,
         "tau": run.tau if run.method in CO2_SETTINGS else None,
         "rounds": run.rounds,
         "step_time_s": round(step, 4),
-        "time_per_step_s": round(statistics.median(per_step), 4),
-        "tokens_per_s": round(sum(BATCH * SEQ / t for t in per_step), 1),
+        "time_per_step_s": round(slowest, 4),
+        "tokens_per_s": round(block.ranks * block.batch * SEQ / slowest, 1),
         "allreduce_alone_s": round(alone, 4),
         "load_1m": round(per_rank[0]["load_1m"], 2),
     }
@@ -487,15 +514,15 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         hidden = max(0.0, 1 - sum(waits) / sum(comms)) if sum(comms) > 0 else None
         line["comm_s"] = round(statistics.median(comms), 4)
     elif run.method == "ddp" and limit is not None:
-        exposed = max(0.0, statistics.median(per_step) - limit)
+        exposed = max(0.0, slowest - limit)
         hidden = min(1.0, max(0.0, 1 - exposed / alone))
     if limit is not None:
         round_compute = run.tau * limit
         line["exposed_comm_per_round_s"] = round(exposed, 4)
         line["exposed_frac_of_round"] = round(exposed / round_compute, 4)
         line["comm_over_compute"] = round(alone / round_compute, 4) if run.method != "no_comm" else None
-        line["rel_to_limit"] = round(limit / statistics.median(per_step), 4)
-        line["limit_tokens_per_s"] = round(block.ranks * BATCH * SEQ / limit, 1)
+        line["rel_to_limit"] = round(limit / slowest, 4)
+        line["limit_tokens_per_s"] = round(block.ranks * block.batch * SEQ / limit, 1)
     line["hidden_frac"] = round(hidden, 4) if hidden is not None else None
     return line
 
@@ -516,10 +543,7 @@ def block_lines(block: Block, probe: list[dict] | None, results: list) -> list[d
             for run, res in zip(block.runs, results)
         ]
     head = probe_line(block, probe)
-    per_step = [
-        None if isinstance(res, str) else statistics.median(_steady_per_step(run, r["times"]) for r in res)
-        for run, res in zip(block.runs, results)
-    ]
+    per_step = [None if isinstance(res, str) else _slowest_per_step(run, res) for run, res in zip(block.runs, results)]
     lines = [head]
     for i, (run, res) in enumerate(zip(block.runs, results)):
         if isinstance(res, str):
@@ -584,10 +608,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="skip the slowest-rate extras: 2x ranks at tau 48, and the large model",
     )
+    parser.add_argument(
+        "--batch", type=int, default=DEFAULT_BATCH, help=f"sequences of {SEQ} tokens per rank and step"
+    )
+    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the veth links (1500; 9000: jumbo frames)")
     parser.add_argument("--min-steps", type=int, default=60, help="steps per CO2-engine run, at least 4 rounds")
     parser.add_argument("--max-rounds", type=int, default=8, help="rounds per CO2-engine run, at most")
     parser.add_argument("--ddp-steps", type=int, default=8)
     parser.add_argument("--limit-steps", type=int, default=12, help="steps of each no_comm run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every method per block (--table: median)")
     parser.add_argument("--device", default="cpu", help="cuda: the GPU step-overhead check (never required)")
     parser.add_argument("--budget-min", type=float, default=60.0, help="refuse a plan estimated above this")
     parser.add_argument("--loopback", action="store_true", help="no namespaces (unshaped only, no root)")
@@ -607,10 +636,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def print_dry_run(blocks: list[Block]) -> None:
+def print_dry_run(blocks: list[Block], mtu: int) -> None:
     show = lambda cmd: print("+ " + " ".join(cmd))  # noqa: E731
     for nodes, group in _topologies(blocks):
-        up, down = network_commands(nodes)
+        up, down = network_commands(nodes, mtu)
         print(f"# topology: {nodes} namespaces")
         for cmd in up:
             show(cmd)
@@ -642,7 +671,7 @@ def _topologies(blocks: list[Block]) -> list[tuple[int, list[Block]]]:
 def run_plan(blocks: list[Block], args) -> list[dict]:
     lines, start, index, estimated_done = [], time.monotonic(), 0, 0.0
     for nodes, group in _topologies(blocks):
-        with _network(nodes, args.loopback) as net:
+        with _network(nodes, args.loopback, args.mtu) as net:
             for block in group:
                 index += 1
                 elapsed = time.monotonic() - start
@@ -676,10 +705,10 @@ def _warn_if_contended(block: Block, lines: list[dict]) -> None:
         )
 
 
-def _network(nodes: int, loopback: bool):
+def _network(nodes: int, loopback: bool, mtu: int):
     import contextlib
 
-    return contextlib.nullcontext() if loopback else Network(nodes)
+    return contextlib.nullcontext() if loopback else Network(nodes, mtu)
 
 
 def _free_port() -> int:
@@ -697,23 +726,37 @@ def _emit(line: dict, out: str | None) -> None:
 
 
 def markdown_table(lines: list[dict]) -> str:
-    """The README's table: one row per run (probes and the no_comm runs left out), in file order."""
+    """The README's table: one row per cell (link, ranks, model, method, tau), probes and no_comm
+    runs left out, in file order; with repeats, the median of each column and the number of runs."""
     head = (
         "| link | ranks | model | method | tau | step (s) | tokens/s | vs limit | all-reduce alone (s) "
-        "| exposed per round (s) | hidden | load |"
+        "| exposed per round (s) | hidden | load | runs |"
     )
-    rows = [head, "|---" * 12 + "|"]
+    cells: dict[tuple, list[dict]] = {}
     for x in lines:
-        if x["method"] in ("probe", "no_comm") or "error" in x:
-            continue
-        tau = x.get("tau") or "-"
-        hidden = "-" if x.get("hidden_frac") is None else f"{x['hidden_frac']:.2f}"
+        if x["method"] not in ("probe", "no_comm") and "error" not in x:
+            cells.setdefault((x["rate"], x["ranks"], x["model"], x["method"], x.get("tau")), []).append(x)
+    rows = [head, "|---" * 13 + "|"]
+    for (rate, ranks, model, method, tau), runs in cells.items():
+        med = {key: statistics.median(r[key] for r in runs) for key in _TABLE_KEYS}
+        hidden = [r["hidden_frac"] for r in runs if r.get("hidden_frac") is not None]
+        hidden_text = f"{statistics.median(hidden):.2f}" if hidden else "-"
         rows.append(
-            f"| {x['rate']} | {x['ranks']} | {x['model']} | {x['method']} | {tau} | {x['time_per_step_s']:.3f} "
-            f"| {x['tokens_per_s']:.0f} | **{x['rel_to_limit']:.2f}** | {x['allreduce_alone_s']:.3f} "
-            f"| {x['exposed_comm_per_round_s']:.3f} | {hidden} | {x['load_1m']:.1f} |"
+            f"| {rate} | {ranks} | {model} | {method} | {tau or '-'} | {med['time_per_step_s']:.3f} "
+            f"| {med['tokens_per_s']:.0f} | **{med['rel_to_limit']:.2f}** | {med['allreduce_alone_s']:.3f} "
+            f"| {med['exposed_comm_per_round_s']:.3f} | {hidden_text} | {med['load_1m']:.1f} | {len(runs)} |"
         )
     return "\n".join(rows)
+
+
+_TABLE_KEYS = (
+    "time_per_step_s",
+    "tokens_per_s",
+    "rel_to_limit",
+    "allreduce_alone_s",
+    "exposed_comm_per_round_s",
+    "load_1m",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -733,7 +776,7 @@ def main(argv: list[str] | None = None) -> None:
     if total > 60 * args.budget_min:
         sys.exit("the estimate exceeds --budget-min: lower --min-steps, --ddp-steps or the matrix")
     if args.dry_run:
-        return print_dry_run(blocks)
+        return print_dry_run(blocks, args.mtu)
     if not args.loopback:
         check_privileges()
         remove_stale_namespaces()

@@ -82,14 +82,14 @@ def test_refuses_without_root_and_tears_down_after_a_failed_setup(monkeypatch):
 def test_steady_state_summary_by_hand():
     run = bb.Run("co2", tau=2, rounds=4)
     rank = {"times": [9, 9, 1, 2, 1, 4, 9, 9], "waits": [0, 0.5, 1.5, 7], "comms": [0, 2, 2, 7], "load_1m": 2.0}
-    block = bb.Block(2, 1, "100mbit", "tiny", [run])
+    block = bb.Block(2, 1, "100mbit", "tiny", [run], batch=3)
     line = bb.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
     assert line["step_time_s"] == 1.5  # median of the steady steps 1, 2, 1, 4
     assert line["time_per_step_s"] == 2.0  # steady rounds take 3 and 5 s: median 4, over tau 2
     assert line["exposed_comm_per_round_s"] == 1.5  # max over ranks per round: 0.5 and 2.5
     assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
     assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
-    assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * bb.BATCH * bb.SEQ / 2.0
+    assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * bb.SEQ / 2.0
 
 
 @pytest.mark.timeout(90)
@@ -141,3 +141,7 @@ def test_markdown_table_lists_the_methods_only():
     ]
     rows = bb.markdown_table(lines).splitlines()
     assert len(rows) == 3 and rows[2].startswith("| 100mbit | 2 | small | co2 | 12 | 0.500 | 970 | **0.78** |")
+    assert rows[2].endswith("| 1 |")
+    repeated = [*lines, {**lines[2], "rel_to_limit": 0.90}, {**lines[2], "rel_to_limit": 0.95}]
+    rows = bb.markdown_table(repeated).splitlines()  # repeats of a cell: one row, the median
+    assert len(rows) == 3 and "| **0.90** |" in rows[2] and rows[2].endswith("| 3 |")
