@@ -278,6 +278,34 @@ def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int) -
     return anchors
 
 
+def train_reference_union_warmup(workers: int, k: int, cfg_kwargs: dict, steps: int, warmup: int) -> list[dict]:
+    """``reference_hierarchical`` after ``warmup`` steps of data parallel over every process's batch."""
+    from reference import ReferenceCO2
+
+    cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
+    models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
+    optimizers = [make_optimizer(m, "sgd") for m in models]
+    ref, anchors = None, []
+    for step in range(steps):
+        for w, (model, optimizer) in enumerate(zip(models, optimizers)):
+            optimizer.zero_grad()
+            union_loss(model, w, step, k).backward()
+        if step < warmup:
+            _average_grads(models)
+        for optimizer in optimizers:
+            optimizer.step()
+        if step < warmup:
+            if step == warmup - 1:
+                ref = ReferenceCO2(models, cfg)
+            continue
+        ref.after_inner_step()
+        if ref.steps_in_round == 0:
+            anchors.append({n: t.clone() for n, t in ref.anchor.items()})
+    ref.finalize()
+    anchors.append({n: t.clone() for n, t in ref.anchor.items()})
+    return anchors
+
+
 def outer_state_of_a_wide_model(rank: int, world: int) -> dict:
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))
     co2 = CO2(model, CO2Config(co2_worker_size=2))

@@ -1,7 +1,7 @@
 """The CO2 engine in plain PyTorch: no transformers or accelerate import happens here."""
 
 from .co2 import CO2
-from .comm import Communicator, LocalCommunicator, Pending, ProcessGroupCommunicator
+from .comm import Communicator, LocalCommunicator, Pending, ProcessGroupCommunicator, worker_mesh
 from .layout import FlatLayout
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "LocalCommunicator",
     "Pending",
     "ProcessGroupCommunicator",
+    "worker_mesh",
 ]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from ..config import CO2Config
@@ -76,6 +77,7 @@ class CO2(CheckpointMixin):
             state_device=self.device,
             timeout_s=cfg.co2_timeout_s,
             worker_size=cfg.co2_worker_size,
+            sharded_params=_has_dtensors(model),
         )
         if self.comm.worker_size != cfg.co2_worker_size:
             raise ValueError(
@@ -89,6 +91,8 @@ class CO2(CheckpointMixin):
             shard_index=self.comm.shard_index,
             chunk_numel=chunk_numel,
         )
+        if self.layout.presharded:  # FSDP2 inside the worker, never across workers
+            self.layout.check_sharded_over(self.comm.worker_ranks())
         n = self.layout.shard_numel
         self._header = n  # buffer slots: [payload n | weight | round bits | one wait time per worker]
         zeros = dict(dtype=torch.float32, device=self.device)
@@ -117,10 +121,13 @@ class CO2(CheckpointMixin):
         self._param_pieces = self._index_param_pieces()
         self._piece_segment_ids = torch.tensor([sid for sid, _, _ in self._param_pieces], device=self.device)
         # chunk c of every shard of this worker, in shard order: what an all-gather of chunk c fills
-        shards = [
-            self.layout.chunks if j == self.layout.shard_index else self.layout.shard_chunks(j)
-            for j in range(self.layout.worker_size)
-        ]
+        # (pre-sharded by FSDP2: this process's own chunks only, nothing is gathered)
+        shards = [self.layout.chunks]
+        if self.layout.gathers:
+            shards = [
+                self.layout.chunks if j == self.layout.shard_index else self.layout.shard_chunks(j)
+                for j in range(self.layout.worker_size)
+            ]
         self._chunks_of_every_shard = list(zip(*shards))
         self._take_anchor()
 
@@ -164,20 +171,32 @@ class CO2(CheckpointMixin):
         Call it after ``backward()`` and before the optimizer step (before unscaling, with AMP).
         """
         k = self.comm.worker_size
-        if self.warmup_done and k == 1:
+        # under FSDP2 the worker's gradients are already averaged (reduce-scattered) by FSDP
+        if self.warmup_done and (k == 1 or self.layout.presharded):
             return
-        params = [s.tensor for s in self.layout.segments if s.is_param]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+        grads = self._local_grads()
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
         if not self.warmup_done:
-            self.comm.all_reduce_(flat)
-            flat.div_(self.num_workers * k)
+            self.comm.all_reduce_(flat)  # every process; under FSDP2 the copies of this shard
+            flat.div_(self.num_workers if self.layout.presharded else self.num_workers * k)
         else:
             self.comm.worker_all_reduce_(flat)
             flat.div_(k)
-        torch._foreach_copy_([p.grad.view(-1) for p in params], list(flat.split([p.numel() for p in params])))
+        torch._foreach_copy_([g.view(-1) for g in grads], list(flat.split([g.numel() for g in grads])))
+
+    def _local_grads(self) -> list[Tensor]:
+        """The gradient of every synchronised parameter as a plain tensor (its local shard under
+        FSDP2), zeros where a parameter got none."""
+        grads = []
+        for segment in self.layout.segments:
+            if not segment.is_param:
+                continue
+            param = segment.dtensor if segment.dtensor is not None else segment.tensor
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            grads.append(grad.to_local() if segment.dtensor is not None else grad)
+        return grads
 
     @torch.no_grad()
     def finalize(self) -> None:
@@ -212,10 +231,13 @@ class CO2(CheckpointMixin):
         state = self.model.state_dict()
         if not self.warmup_done:
             return state
-        anchor = self._anchor if self.layout.worker_size == 1 else self._full_anchor()
+        anchor = self._full_anchor() if self.layout.gathers else self._anchor
         for segment in self.layout.segments:
             flat = anchor[segment.offset : segment.offset + segment.numel]
             value = flat.view(segment.tensor.shape).to(segment.tensor.dtype)
+            if segment.dtensor is not None:  # FSDP2: the anchor's local shard, as a DTensor
+                d = segment.dtensor
+                value = DTensor.from_local(value, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
             for name in segment.names:
                 state[name] = value
         return state
@@ -345,7 +367,7 @@ class CO2(CheckpointMixin):
             update.nesterov_direction_(d, m, cfg.co2_outer_momentum)
         self._metrics["momentum_norm"].append(float(stats[0]) ** 0.5 * ratio)
         self._metrics["clip_ratio"].append(ratio)
-        self._metrics["penalty_mean"].append(float(stats[1]) / max(self.layout.param_numel, 1))
+        self._metrics["penalty_mean"].append(float(stats[1]) / max(self.layout.total_param_numel, 1))
 
     def _segment_abs_sums(self, d: Tensor) -> Tensor:
         """Local partial sums of |D| per synchronised tensor, then ||D||^2, in float64.
@@ -459,7 +481,7 @@ class CO2(CheckpointMixin):
             if self._own is not None:
                 src = src.clone()
                 src[: mid - lo].sub_(self._own[lo:mid])
-            for part, piece in zip(self.comm.all_gather(src), every_shard):
+            for part, piece in zip(self._worker_parts(src), every_shard):
                 _scatter_live(piece, part, len(piece.live) if buffers else piece.param_pieces)
 
     @torch.no_grad()
@@ -488,7 +510,7 @@ class CO2(CheckpointMixin):
             if self._own is not None:
                 move[: mid - lo].add_(self._own[lo:mid])
             move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
-            for part, piece in zip(self.comm.all_gather(move), every_shard):
+            for part, piece in zip(self._worker_parts(move), every_shard):
                 x = self._gather_live(piece)
                 n = piece.param_stop - piece.start
                 x[:n].add_(part[:n])
@@ -496,6 +518,11 @@ class CO2(CheckpointMixin):
                 _scatter_live(piece, x, len(piece.live))
         if self._own is not None:
             self._own.zero_()  # the round now counts as started at the new anchor
+
+    def _worker_parts(self, chunk: Tensor) -> list[Tensor]:
+        """This chunk from every process of the worker (all-gathered over its fast link) when the
+        flat state is split between them; just this one when each process owns what it resets."""
+        return self.comm.all_gather(chunk) if self.layout.gathers else [chunk]
 
     def _full_anchor(self) -> Tensor:
         """The whole anchor, all-gathered from the processes of this worker (k > 1)."""
@@ -541,6 +568,10 @@ def _scatter_live(chunk, src: Tensor, count: int) -> None:
 
 def _norm_sq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x).double().square().view(1)
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _state_device(model: nn.Module, config: CO2Config) -> torch.device:

@@ -5,7 +5,8 @@ The engine needs five verbs (``docs/algorithm.md``, "Communication"):
 - ``broadcast_``: copy tensors from the first rank to every rank (blocking; at start-up);
 - ``launch``: start a SUM all-reduce of the outer buffer across workers and return at once;
 - ``wait``: block until a launched all-reduce is done (exactly once per launch);
-- ``all_reduce_``: a blocking SUM over every process (data-parallel warm-up only);
+- ``all_reduce_``: a blocking SUM over every process (data-parallel warm-up only; under FSDP2, over
+  the processes that hold the same shard);
 - ``reduce_stats``: sum small statistics over the processes of one worker, whose outer state is
   sharded between them (identity when a worker is one process);
 - ``all_gather``: the chunks of the anchor held by the processes of one worker (identity for one);
@@ -71,6 +72,9 @@ class Communicator:
     def all_reduce_(self, tensor: Tensor) -> None:
         raise NotImplementedError
 
+    def worker_ranks(self) -> list[int]:
+        return [0]
+
     def reduce_stats(self, partials: Tensor) -> Tensor:
         return partials
 
@@ -109,18 +113,22 @@ class ProcessGroupCommunicator(Communicator):
     parallel), ``worker`` the k processes of this worker (fast link), ``everyone`` all processes.
     """
 
-    def __init__(self, outer: Any, *, worker: Any = None, everyone: Any = None) -> None:
+    def __init__(self, outer: Any, *, worker: Any = None, everyone: Any = None, sharded_params: bool = False) -> None:
         self.group, self.worker_group = outer, worker
         self.everyone = everyone if everyone is not None else outer
+        # FSDP2 shards the parameters inside a worker: the process of index j in every worker holds
+        # the same shard, so start-up broadcasts and warm-up all-reduces run over the outer group
+        self.sharded_params = sharded_params
         self.num_workers = dist.get_world_size(outer)
         self.worker_size = dist.get_world_size(worker) if worker is not None else 1
         self.worker_index = dist.get_rank(outer)
         self.shard_index = dist.get_rank(worker) if worker is not None else 0
-        self._source = dist.get_global_rank(self.everyone, 0)
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
+        group = self.group if self.sharded_params else self.everyone
+        source = dist.get_global_rank(group, 0)
         for tensor in tensors:
-            dist.broadcast(tensor, src=self._source, group=self.everyone)
+            dist.broadcast(tensor, src=source, group=group)
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor)
@@ -134,7 +142,14 @@ class ProcessGroupCommunicator(Communicator):
         pending.work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
     def all_reduce_(self, tensor: Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.everyone)
+        group = self.group if self.sharded_params else self.everyone
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+    def worker_ranks(self) -> list[int]:
+        """The global ranks of this process's worker."""
+        if self.worker_group is None:
+            return [dist.get_rank()]
+        return dist.get_process_group_ranks(self.worker_group)
 
     def reduce_stats(self, partials: Tensor) -> Tensor:
         if self.worker_group is not None:
@@ -154,7 +169,12 @@ class ProcessGroupCommunicator(Communicator):
 
 
 def make_communicator(
-    *, process_group: Any = None, state_device: torch.device, timeout_s: float, worker_size: int = 1
+    *,
+    process_group: Any = None,
+    state_device: torch.device,
+    timeout_s: float,
+    worker_size: int = 1,
+    sharded_params: bool = False,
 ) -> Communicator:
     """The communicator for this process: local when torch.distributed is not initialised.
 
@@ -182,4 +202,31 @@ def make_communicator(
     for j in range(worker_size):
         group = dist.new_group(list(range(j, world, worker_size)), **kwargs)
         outer = group if rank % worker_size == j else outer
-    return ProcessGroupCommunicator(outer, worker=worker, everyone=everyone)
+    return ProcessGroupCommunicator(outer, worker=worker, everyone=everyone, sharded_params=sharded_params)
+
+
+_WORKER_MESHES: dict[tuple[str, int], Any] = {}
+
+
+def worker_mesh(worker_size: int, device_type: str | None = None) -> Any:
+    """The 1-D DeviceMesh of this process's CO2 worker: what FSDP2 shards over inside a worker.
+
+    ``fully_shard(module, mesh=worker_mesh(k))`` shards the model over the k consecutive ranks of
+    one worker (``co2_worker_size = k``), never across workers. Collective the first time (every
+    rank calls it with the same arguments); cached afterwards. ``device_type`` defaults to cuda
+    when available, else cpu.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("worker_mesh needs torch.distributed to be initialised (init_process_group)")
+    world = dist.get_world_size()
+    if not isinstance(worker_size, int) or worker_size < 1 or world % worker_size:
+        raise ValueError(f"co2_worker_size={worker_size!r} must be an integer >= 1 dividing the world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = (device_type, worker_size)
+    if key not in _WORKER_MESHES:
+        shape = (world // worker_size, worker_size)  # row-major: worker w is ranks w*k .. w*k+k-1
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("co2_outer", "co2_worker"))
+        _WORKER_MESHES[key] = mesh["co2_worker"]
+    return _WORKER_MESHES[key]

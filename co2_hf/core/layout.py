@@ -5,6 +5,11 @@ floating-point buffers (which travel as absolute values), then padding up to a m
 worker size so that each process of a worker can own one equal, contiguous shard. A shard is cut
 into chunks of at most ``chunk_numel`` elements: the engine streams through chunks so that its
 scratch memory stays bounded by one chunk, whatever the model size.
+
+When FSDP2 (``fully_shard``) already shards the parameters over the processes of a worker, the
+layout is *pre-sharded*: each process's flat vector is its own local shards, in the same named
+order, so the outer state is sharded exactly like the parameters and nothing is sliced or padded.
+Statistics that span a tensor still use its global size.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MB of fp32 scratch
 
@@ -22,13 +29,18 @@ class Segment:
     """One synchronised tensor: its state_dict names (several when tied) and its flat range."""
 
     names: list[str]
-    tensor: Tensor
+    tensor: Tensor  # what CO2 reads and writes: the parameter, or its local shard under FSDP2
     offset: int
     is_param: bool
+    dtensor: DTensor | None = None  # the FSDP2 parameter whose local shard ``tensor`` is
 
     @property
     def numel(self) -> int:
         return self.tensor.numel()
+
+    @property
+    def global_numel(self) -> int:
+        return self.dtensor.numel() if self.dtensor is not None else self.numel
 
 
 @dataclass
@@ -59,10 +71,14 @@ def synchronised_tensors(module: nn.Module) -> list[Segment]:
         if id(tensor) in by_id:  # tied weights: one segment, several names
             by_id[id(tensor)].names.append(name)
             continue
+        dtensor = tensor if isinstance(tensor, DTensor) else None
+        if dtensor is not None:
+            with torch.no_grad():
+                tensor = dtensor.to_local()  # the same storage: writes reach the FSDP2 parameter
         if not tensor.is_contiguous():
             raise ValueError(f"CO2 needs contiguous tensors; {name!r} is not (call .contiguous())")
-        segment = Segment([name], tensor, 0, is_param)
-        by_id[id(tensor)] = segment
+        segment = Segment([name], tensor, 0, is_param, dtensor)
+        by_id[id(dtensor if dtensor is not None else tensor)] = segment
         segments.append(segment)
     return segments
 
@@ -79,22 +95,32 @@ class FlatLayout:
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     ) -> None:
         self.segments = synchronised_tensors(module)
+        self.presharded = any(s.dtensor is not None for s in self.segments)
+        if self.presharded:
+            _check_all_params_sharded(self.segments)
+        # how many processes cut one flat vector into shards: none when FSDP2 already sharded it
+        split = 1 if self.presharded else worker_size
         offset = 0
         for segment in self.segments:
             segment.offset = offset
             offset += segment.numel
         self.param_numel = sum(s.numel for s in self.segments if s.is_param)
+        # every process's parameters together (of one worker): what per-element means divide by
+        self.total_param_numel = sum(s.global_numel for s in self.segments if s.is_param)
         self.numel = offset
-        self.padded_numel = -(-offset // worker_size) * worker_size
+        self.padded_numel = -(-offset // split) * split
         self.worker_size = worker_size
-        self.shard_numel = self.padded_numel // worker_size
+        # the worker all-gathers the anchor to reset its live tensors (flat shards, not FSDP2's)
+        self.gathers = split > 1
+        self.shard_numel = self.padded_numel // split
         self.chunk_numel = chunk_numel
         self.shard_index = shard_index
-        self.shard_start = shard_index * self.shard_numel
-        self.chunks = self.shard_chunks(shard_index)
+        own = shard_index if split > 1 else 0
+        self.shard_start = own * self.shard_numel
+        self.chunks = self.shard_chunks(own)
         # the shard's parameter region is a prefix, because parameters come first
         self.param_local = min(max(self.param_numel - self.shard_start, 0), self.shard_numel)
-        self.segment_numels = torch.tensor([s.numel for s in self.segments], dtype=torch.float64)
+        self.segment_numels = torch.tensor([s.global_numel for s in self.segments], dtype=torch.float64)
 
     def shard_chunks(self, shard_index: int) -> list[Chunk]:
         """The chunks of shard ``shard_index``, each with the live-tensor pieces inside it."""
@@ -120,9 +146,35 @@ class FlatLayout:
     def names(self) -> list[list[str]]:
         return [list(s.names) for s in self.segments]
 
+    def check_sharded_over(self, worker_ranks: list[int]) -> None:
+        """Pre-sharded layouts: every FSDP2 parameter must be sharded (dim 0) over exactly the
+        processes of this worker; FSDP2 over other processes would shard across CO2 workers."""
+        for segment in self.segments:
+            dtensor = segment.dtensor
+            if dtensor is None:
+                continue
+            mesh = dtensor.device_mesh
+            mesh_ranks = dist.get_process_group_ranks(mesh.get_group()) if dist.is_initialized() else [0]
+            if mesh.ndim != 1 or sorted(mesh_ranks) != sorted(worker_ranks):
+                raise ValueError(
+                    f"parameter {segment.names[0]!r} is sharded by FSDP2 over ranks {mesh_ranks}, but this "
+                    f"CO2 worker is ranks {worker_ranks}: shard inside each worker only, with "
+                    "fully_shard(module, mesh=co2_hf.core.worker_mesh(co2_worker_size))"
+                )
+            if tuple(dtensor.placements) != (Shard(0),):
+                raise ValueError(
+                    f"parameter {segment.names[0]!r} has placements {dtensor.placements}; CO2 supports FSDP2's "
+                    "default sharding, (Shard(0),)"
+                )
+
     def describe(self) -> dict:
         """What a checkpoint stores to check that it is loaded into the same layout."""
+        extra = {
+            "presharded": True,
+            "global_shapes": [list(s.dtensor.shape) for s in self.segments if s.dtensor is not None],
+        }
         return {
+            **(extra if self.presharded else {}),
             "names": [s.names[0] for s in self.segments],
             "shapes": [list(s.tensor.shape) for s in self.segments],
             "is_param": [s.is_param for s in self.segments],
@@ -130,3 +182,12 @@ class FlatLayout:
             "worker_size": self.worker_size,
             "shard_index": self.shard_index,
         }
+
+
+def _check_all_params_sharded(segments: list[Segment]) -> None:
+    plain = [s.names[0] for s in segments if s.is_param and s.dtensor is None]
+    if plain:
+        raise ValueError(
+            f"FSDP2 shards some parameters but not {plain[:3]}{' ...' if len(plain) > 3 else ''}: apply "
+            "fully_shard to the root module too, so that every trainable parameter is sharded"
+        )

@@ -1,0 +1,111 @@
+"""Per-rank training loops for FSDP2 inside a CO2 worker (tests/test_fsdp.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from workers import TinyNet, loss_on, make_optimizer
+
+from co2_hf import CO2, CO2Config
+from co2_hf.core import worker_mesh
+
+
+def sharded_tiny_net(k: int) -> TinyNet:
+    """TinyNet (tied weights, a frozen layer) sharded by FSDP2 over the k processes of a worker."""
+    model = TinyNet(seed=0, batchnorm=False)
+    fully_shard(model, mesh=worker_mesh(k, "cpu"))
+    return model
+
+
+def full_anchor(co2: CO2, names: list[str]) -> dict[str, torch.Tensor]:
+    """The anchor as whole tensors (an all-gather over the worker for every FSDP2 shard)."""
+    state = co2.anchor_state()
+    return {n: _full(state[n]).detach().double().clone() for n in names}
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def train_fsdp(rank: int, world: int, cfg_kwargs: dict, steps: int) -> dict:
+    """Every process trains on its own batch; FSDP2 averages the gradients inside the worker."""
+    k = cfg_kwargs["co2_worker_size"]
+    model = sharded_tiny_net(k)
+    names = [n for n in model.state_dict() if not n.startswith("frozen.")]
+    optimizer = make_optimizer(model, "sgd")
+    co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+    launched = []
+    launch = co2.comm.launch
+    co2.comm.launch = lambda t: launched.append(t.numel() - (co2._buf.numel() - co2.layout.shard_numel)) or launch(t)
+    anchors = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_on(model, rank, step).backward()
+        co2.average_gradients()  # a no-op after the warm-up: FSDP2 already averaged the worker
+        optimizer.step()
+        if co2.step():
+            anchors.append(full_anchor(co2, names))
+    co2.finalize()
+    anchors.append(full_anchor(co2, names))
+    live = {n: _full(t).detach().double().clone() for n, t in model.state_dict().items() if n in names}
+    return {
+        "anchors": anchors,
+        "live": live,
+        "launched_elements": launched,
+        "params": sum(s.global_numel for s in co2.layout.segments if s.is_param),
+        "nbytes": co2.outer_state_nbytes(),
+    }
+
+
+def fsdp_stop_and_resume(rank: int, world: int, cfg_kwargs: dict, path: str) -> dict:
+    """Uninterrupted 14 steps; a run stopped at step 6 (mid-round, in flight) saved per rank; a
+    third model, built anew, that loads it and finishes. Returns the first and the last."""
+    k = cfg_kwargs["co2_worker_size"]
+
+    def fresh():
+        model = sharded_tiny_net(k)
+        optimizer = make_optimizer(model)
+        return model, optimizer, CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
+
+    def train(model, optimizer, co2, start, stop):
+        for step in range(start, stop):
+            optimizer.zero_grad()
+            loss_on(model, rank, step).backward()
+            co2.average_gradients()
+            optimizer.step()
+            co2.step()
+
+    def final(model, co2):
+        co2.finalize()
+        return {n: _full(v).detach().clone() for n, v in model.state_dict().items()}
+
+    model, optimizer, co2 = fresh()
+    train(model, optimizer, co2, 0, 14)
+    full = final(model, co2)
+    model, optimizer, co2 = fresh()
+    train(model, optimizer, co2, 0, 6)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "co2": co2.state_dict()},
+        f"{path}.rank{rank}",
+    )
+    model, optimizer, co2 = fresh()
+    saved = torch.load(f"{path}.rank{rank}", weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    co2.load_state_dict(saved["co2"])
+    train(model, optimizer, co2, 6, 14)
+    return {"full": full, "resumed": final(model, co2)}
+
+
+def fsdp_over_every_process(rank: int, world: int) -> str:
+    """FSDP2 over all 4 processes (across workers) with co2_worker_size=2: must be refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = TinyNet(seed=0, batchnorm=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        CO2(model, CO2Config(co2_worker_size=2))
+    except ValueError as error:
+        return str(error)
+    return "not refused"

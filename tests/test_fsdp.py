@@ -1,0 +1,83 @@
+"""FSDP2 inside a CO2 worker: 4 gloo processes as 2 workers of 2, the model sharded by
+``fully_shard`` over each worker's processes, against the reference of 2 workers whose batch is
+the union of their processes' batches (SGD on the mean loss, where that is exact)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from distributed import run_processes
+from fsdp_workers import fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
+from workers import reference_hierarchical
+
+K, STEPS = 2, 3 * 4 + 2
+SCENARIOS = {
+    "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
+    "window_eager": dict(co2_local_steps=3, co2_overlap_steps=1, co2_start_rule="eager", co2_nesterov=True),
+    "slowmo_warmup": dict(co2_local_steps=3, co2_overlap=False, co2_outer_momentum=0.5, co2_sync_warmup_steps=2),
+}
+
+
+def _suite(rank: int, world: int, path: str) -> dict:
+    out = {name: train_fsdp(rank, world, dict(co2_worker_size=K, **kw), STEPS) for name, kw in SCENARIOS.items()}
+    resume_cfg = dict(co2_worker_size=K, co2_local_steps=4, co2_outer_momentum=0.5, co2_start_rule="eager")
+    out["resume"] = fsdp_stop_and_resume(rank, world, resume_cfg, path)
+    out["refusal"] = fsdp_over_every_process(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One spawn of 4 processes runs every case (each spawn costs seconds)."""
+    path = os.path.join(tmp_path_factory.mktemp("fsdp"), "state")
+    return run_processes(_suite, 4, path, timeout_s=150)
+
+
+def _reference(name: str) -> list[dict]:
+    kwargs = dict(SCENARIOS[name])
+    warmup = kwargs.pop("co2_sync_warmup_steps", 0)
+    if warmup:  # the reference's warm-up: data parallel over every process of every worker
+        from workers import train_reference_union_warmup
+
+        return train_reference_union_warmup(2, K, kwargs, STEPS, warmup)
+    return reference_hierarchical(2, K, kwargs, STEPS)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_fsdp2_inside_two_workers_equals_the_union_batch_reference(four_ranks, name):
+    reference = _reference(name)
+    for rank in range(4):
+        engine = four_ranks[rank][name]["anchors"]
+        assert len(engine) == len(reference)
+        for boundary, (got, want) in enumerate(zip(engine, reference)):
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {boundary} {key}")
+        for key, value in reference[-1].items():  # after finalize the live model is the anchor
+            torch.testing.assert_close(four_ranks[rank][name]["live"][key], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_under_fsdp2_each_process_sends_and_holds_its_own_shard_only(four_ranks):
+    for rank in range(4):
+        run = four_ranks[rank]["co2"]
+        assert run["launched_elements"] == [run["params"] // K] * 5  # half of the outer gradient, 5 rounds
+        # anchor + momentum (4 bytes each) and the buffer (4 bytes + 35 header slots) of its half only
+        assert run["nbytes"] == 12 * run["params"] // K + 4 * 35
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_stop_mid_round_and_resume_is_bit_identical(four_ranks):
+    for rank in range(4):
+        run = four_ranks[rank]["resume"]
+        for key, value in run["full"].items():
+            assert torch.equal(run["resumed"][key], value), (rank, key)
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_across_workers_is_refused(four_ranks):
+    for rank in range(4):
+        message = four_ranks[rank]["refusal"]
+        assert "sharded by FSDP2 over ranks [0, 1, 2, 3]" in message and "worker_mesh" in message, message
