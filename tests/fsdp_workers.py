@@ -109,3 +109,60 @@ def fsdp_over_every_process(rank: int, world: int) -> str:
     except ValueError as error:
         return str(error)
     return "not refused"
+
+
+def _whole_state(model) -> dict[str, torch.Tensor]:
+    return {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
+    """CO2Trainer with co2_worker_size=2: replicated workers, FSDP2 inside each worker (with
+    evaluations during training and a saved model), and FSDP2 stopped mid-round then resumed."""
+    from trainer_workers import STOP_AT, _env, _StopAt, dataset, make_args, tiny_gpt2
+    from transformers import AutoModelForCausalLM
+
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    # SGD: Adam would amplify the rounding noise of gradients that are ~0 (attention key biases)
+    k2 = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1)
+    fsdp = dict(k2, fsdp="full_shard")
+
+    replicated = CO2Trainer(model=tiny_gpt2(), args=make_args(f"{out}/replicated", **k2), train_dataset=dataset())
+    replicated.train()
+
+    sharded = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(f"{out}/fsdp", eval_strategy="steps", eval_steps=4, **fsdp),
+        train_dataset=dataset(),
+        eval_dataset=dataset(64, seed=1),
+    )
+    sharded.train()
+    eval_trained = sharded.evaluate()["eval_loss"]
+    sharded.save_model(f"{out}/fsdp_model")
+    torch.distributed.barrier()
+    loaded = AutoModelForCausalLM.from_pretrained(f"{out}/fsdp_model")
+    plain = CO2Trainer(
+        model=loaded, args=make_args(f"{out}/eval", co2_enabled=False), eval_dataset=dataset(64, seed=1)
+    )
+
+    stopped = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(f"{out}/resume", save_strategy="steps", save_steps=STOP_AT, **fsdp),
+        train_dataset=dataset(),
+        callbacks=[_StopAt(STOP_AT)],
+    )
+    stopped.train()
+    torch.manual_seed(1234)  # a different process state: the checkpoint must restore everything
+    resumed = CO2Trainer(model=tiny_gpt2(), args=make_args(f"{out}/resume", **fsdp), train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=f"{out}/resume/checkpoint-{STOP_AT}")
+    return {
+        "replicated": _whole_state(replicated.model),
+        "fsdp": _whole_state(sharded.model),
+        "fsdp_type": type(sharded.model).__name__,
+        "evals": [e["eval_loss"] for e in sharded.state.log_history if "eval_loss" in e],
+        "eval_trained": eval_trained,
+        "eval_loaded": plain.evaluate()["eval_loss"],
+        "resumed": _whole_state(resumed.model),
+        "losses": [e["loss"] for e in sharded.state.log_history if "loss" in e],
+    }

@@ -81,3 +81,24 @@ def test_fsdp2_across_workers_is_refused(four_ranks):
     for rank in range(4):
         message = four_ranks[rank]["refusal"]
         assert "sharded by FSDP2 over ranks [0, 1, 2, 3]" in message and "worker_mesh" in message, message
+
+
+@pytest.mark.timeout(240)
+def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes_bit_for_bit(tmp_path):
+    """CO2Trainer, 4 processes as 2 workers of 2, ``--fsdp full_shard``: the same training as
+    workers of 2 full replicas; evaluation on the anchor; a loadable model; an exact resume."""
+    from fsdp_workers import trainer_fsdp_suite
+
+    runs = run_processes(trainer_fsdp_suite, 4, str(tmp_path), timeout_s=200)
+    for rank in range(4):
+        run = runs[rank]
+        assert run["fsdp_type"].startswith("FSDP")
+        for key, value in run["replicated"].items():
+            torch.testing.assert_close(run["fsdp"][key], value, rtol=1e-5, atol=1e-6, msg=f"{rank} {key}")
+            assert torch.equal(run["resumed"][key], run["fsdp"][key]), (rank, key)
+            assert torch.equal(run["fsdp"][key], runs[0]["fsdp"][key]), (rank, key)  # one anchor
+        # evaluations at steps 4, 8 and 12, then the one after training
+        assert len(run["evals"]) == 4 and run["eval_trained"] == pytest.approx(run["eval_loaded"], rel=1e-5)
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0]
+    checkpoint = tmp_path / "resume" / "checkpoint-6"
+    assert sorted(p.name for p in checkpoint.glob("co2_rank*.pt")) == [f"co2_rank{r}.pt" for r in range(4)]

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -107,8 +108,18 @@ def test_the_parser_table_covers_every_knob():
 BAD_COMBINATIONS = [
     (["--deepspeed", "ds.json"], {}, "CO2 does not support DeepSpeed"),
     ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "CO2 does not support DeepSpeed"),
-    (["--fsdp", "full_shard"], {}, "CO2 does not support FSDP"),
-    ([], {"ACCELERATE_USE_FSDP": "true"}, "CO2 does not support FSDP"),
+    (["--fsdp", "full_shard"], {}, "FSDP with co2_worker_size=1 would shard the model across CO2 workers"),
+    ([], {"ACCELERATE_USE_FSDP": "true"}, "FSDP with co2_worker_size=1 would shard the model across CO2 workers"),
+    (
+        ["--fsdp", "full_shard", "--fsdp_config", '{"version": 1}', "--co2_worker_size", "2"],
+        {"WORLD_SIZE": "4"},
+        "FSDP version 1 is not supported with CO2: use FSDP2 inside each worker",
+    ),
+    (
+        ["--fsdp", "full_shard offload", "--co2_worker_size", "2"],
+        {"WORLD_SIZE": "4"},
+        "fsdp options ['offload'] are not supported inside a CO2 worker",
+    ),
     (["--include_num_input_tokens_seen", "true"], {}, "include_num_input_tokens_seen=True"),
     (["--accelerator_config", "{dispatch}"], {}, "dispatch_batches=True"),
     (["--co2_worker_size", "3"], {"WORLD_SIZE": "4"}, "co2_worker_size=3 must divide the world size 4"),
@@ -124,7 +135,7 @@ def test_unsupported_combinations_are_refused_before_any_process_group(tmp_path,
     argv = [str(dispatch) if a == "{dispatch}" else a for a in argv]
     for key, value in env.items():
         no_process_group.setenv(key, value)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         _parse(["--output_dir", str(tmp_path), *argv])
 
 

@@ -156,7 +156,7 @@ def test_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
     ("overrides", "message"),
     [
         (dict(deepspeed={"train_batch_size": 8}), "CO2 does not support DeepSpeed"),
-        (dict(fsdp="full_shard"), "CO2 does not support FSDP"),
+        (dict(fsdp="full_shard"), "would shard the model across CO2 workers"),
         (dict(include_num_input_tokens_seen="all"), "include_num_input_tokens_seen='all'"),
         (dict(accelerator_config={"dispatch_batches": True}), "dispatch_batches=True"),
         (dict(co2_local_steps=0), "co2_local_steps=0"),

@@ -14,6 +14,7 @@ One fp32 communication buffer carries ``D`` in and ``d`` out; scratch memory is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -241,6 +242,30 @@ class CO2(CheckpointMixin):
             for name in segment.names:
                 state[name] = value
         return state
+
+    @contextlib.contextmanager
+    def anchor_in_place(self):
+        """Within the block the live tensors hold the anchor; on exit they get their own values back.
+
+        For evaluating the shared model where parameters cannot be swapped for other tensors
+        (FSDP2 all-gathers its own shards in forward); elsewhere prefer `anchor_state` with
+        ``torch.func.functional_call``, which copies nothing. Costs one copy of this process's
+        live tensors. Issues no collective unless the worker splits a flat state between its
+        processes (``co2_worker_size > 1`` without FSDP2), which all-gathers the anchor.
+        """
+        if not self.warmup_done:  # the live tensors are the global model
+            yield
+            return
+        saved = [segment.tensor.detach().clone() for segment in self.layout.segments]
+        try:
+            with torch.no_grad():
+                for chunk, every_shard in zip(self.layout.chunks, self._chunks_of_every_shard):
+                    for part, piece in zip(self._worker_parts(self._anchor[chunk.start : chunk.stop]), every_shard):
+                        _scatter_live(piece, part, len(piece.live))
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([s.tensor for s in self.layout.segments], saved)
 
     def outer_state_nbytes(self) -> int:
         """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""

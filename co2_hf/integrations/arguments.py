@@ -2,15 +2,21 @@
 
 Everything CO2 cannot work with is refused in ``__post_init__``, before ``TrainingArguments`` sets
 up the device and with it the default process group, so a bad launch fails at once and the same on
-every rank: a bad ``co2_*`` value, DeepSpeed, FSDP, ``parallelism_config``, a per-step token count
-gather, batch dispatching, a ``co2_worker_size`` that does not
+every rank: a bad ``co2_*`` value, DeepSpeed, FSDP1 and FSDP across workers, ``parallelism_config``,
+a per-step token count gather, batch dispatching, a ``co2_worker_size`` that does not
 divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout`` defaults to
 ``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
+
+FSDP2 (``--fsdp`` with ``fsdp_config`` version 2, the default) together with ``co2_worker_size = k
+> 1`` shards the model inside each worker: the Trainer's own FSDP, which would shard across every
+process, is turned off here, and `CO2Trainer` applies ``fully_shard`` over the worker's k processes
+itself (`_take_over_fsdp2`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import os
@@ -48,8 +54,10 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         # __post_init__ sets up the device, which creates the default group)
         self.validate_co2()
         _use_cpu_without_accelerator(self)
+        self._co2_fsdp2: dict | None = None
         if self.co2_enabled:
             self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+            self._co2_fsdp2 = _take_over_fsdp2(self)
             _refuse_unsupported(self)
         if self.ddp_timeout is None:
             self.ddp_timeout = math.ceil(self.co2_timeout_s) if self.co2_enabled else TRAINER_DDP_TIMEOUT
@@ -74,18 +82,12 @@ def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
 
 
 def _refuse_unsupported(args: CO2TrainingArguments) -> None:
-    env_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     env_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if args.deepspeed or env_deepspeed:
         raise ValueError(
-            "CO2 does not support DeepSpeed: with co2_enabled=True every process is a CO2 worker and "
-            "ZeRO would shard state across workers. Drop --deepspeed, or pass --co2_enabled false."
-        )
-    if args.fsdp or env_fsdp:
-        raise ValueError(
-            "CO2 does not support FSDP (--fsdp or ACCELERATE_USE_FSDP=true): the Trainer's FSDP shards "
-            "the model across every process, that is across CO2 workers. Drop it (with co2_worker_size=k, "
-            "the k processes of a worker train as data parallel), or pass --co2_enabled false."
+            "CO2 does not support DeepSpeed: ZeRO would shard the model and its optimizer across CO2 "
+            "workers. Drop --deepspeed; to shard the model states inside a worker use FSDP2 "
+            f"({FSDP2_HINT}), or pass --co2_enabled false."
         )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError(
@@ -99,6 +101,58 @@ def _refuse_unsupported(args: CO2TrainingArguments) -> None:
             "is 'no'"
         )
     _refuse_dispatch_batches(args)
+
+
+FSDP2_HINT = "--fsdp full_shard --fsdp_config '{\"version\": 2}' with --co2_worker_size k > 1"
+
+
+def _take_over_fsdp2(args: CO2TrainingArguments) -> dict | None:
+    """FSDP asked for (``--fsdp`` or ``ACCELERATE_USE_FSDP``): with FSDP2 and ``co2_worker_size = k
+    > 1``, return what CO2Trainer needs to shard inside each worker (layer classes to wrap,
+    reshard_after_forward) and turn the Trainer's FSDP off; refuse FSDP1 and FSDP without workers
+    of several processes, which would shard across CO2 workers."""
+    env_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not (args.fsdp or env_fsdp):
+        return None
+    config = _fsdp_config(args.fsdp_config)
+    version = int(config.get("version", os.environ.get("FSDP_VERSION", 2)))
+    options = (
+        args.fsdp.split() if isinstance(args.fsdp, str) else list(args.fsdp or []) if args.fsdp is not True else []
+    )
+    if version != 2:
+        raise ValueError(
+            f"FSDP version {version} is not supported with CO2: use FSDP2 inside each worker ({FSDP2_HINT}), "
+            "or pass --co2_enabled false"
+        )
+    if args.co2_worker_size == 1:
+        raise ValueError(
+            "FSDP with co2_worker_size=1 would shard the model across CO2 workers (every process is one). "
+            f"Set --co2_worker_size to the processes of one worker (e.g. the GPUs of a node): {FSDP2_HINT}"
+        )
+    unsupported = [o for o in options if o not in ("full_shard", "shard_grad_op", "auto_wrap")]
+    if unsupported or config.get("cpu_offload") or config.get("offload_params"):
+        raise ValueError(
+            f"fsdp options {unsupported or ['cpu_offload']} are not supported inside a CO2 worker: allowed are "
+            "full_shard, shard_grad_op and auto_wrap (use --co2_state_device cpu to keep CO2's state in host memory)"
+        )
+    layers = config.get("transformer_layer_cls_to_wrap")
+    take = {
+        "layer_classes": [layers] if isinstance(layers, str) else list(layers or []),
+        "reshard_after_forward": bool(config.get("reshard_after_forward", "shard_grad_op" not in options)),
+    }
+    args.fsdp, args.fsdp_config = None, None  # the Trainer's FSDP would shard across every process
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    return take
+
+
+def _fsdp_config(config: dict | str | None) -> dict:
+    """``fsdp_config`` as TrainingArguments reads it: a dict, a JSON string or a JSON file."""
+    if isinstance(config, str) and config.startswith("{"):
+        config = json.loads(config)
+    elif isinstance(config, str):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    return {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (config or {}).items()}
 
 
 def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..config import CO2Config
 from ..core import CO2
@@ -110,13 +111,16 @@ def apply_rank_state(state: dict[str, Any], *, co2: CO2, model: nn.Module, optim
 def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
     """The anchor as a state dict of independent CPU tensors (tied names keep sharing one).
 
+    Under FSDP2 each sharded tensor is all-gathered inside the worker: every rank must call this.
+
     The anchor's views all share one flat storage, which serialisers would take for tied weights.
     """
     copies: dict[int, Tensor] = {}
     state = {}
     for name, value in co2.anchor_state().items():
         if id(value) not in copies:
-            copies[id(value)] = value.detach().to("cpu", copy=True)
+            whole = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2: gathered in the worker
+            copies[id(value)] = whole.detach().to("cpu", copy=True)
         state[name] = copies[id(value)]
     return state
 

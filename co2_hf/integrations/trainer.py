@@ -17,7 +17,11 @@ What CO2Trainer changes, each a few lines around ``super()``:
   from (`_save_checkpoint`, `_load_from_checkpoint`);
 - ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
   where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
-- training ends with ``CO2.finalize()`` (`_finalize_training`).
+- training ends with ``CO2.finalize()`` (`_finalize_training`);
+- with ``--fsdp`` (FSDP2) and ``co2_worker_size = k > 1``, the model is sharded with ``fully_shard``
+  over the k processes of each worker before the optimizer is made (`_shard_inside_workers`); each
+  rank's checkpoint file then holds its own shards, and evaluation writes the anchor into the
+  shards for its duration (FSDP2 gathers them itself).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import CO2Config
@@ -76,20 +80,40 @@ class CO2Trainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.co2_config is None:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        fsdp2 = getattr(self.args, "_co2_fsdp2", None)
+        if fsdp2 is not None:
+            self._shard_inside_workers(fsdp2)
         with _without_ddp(self.accelerator):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
             )
-        self.co2 = CO2(self._co2_wrap_model(self.model), self.co2_config, optimizer=self._inner_optimizer())
+        self.co2 = CO2(self.model, self.co2_config, optimizer=self._inner_optimizer())
         if resume_from_checkpoint is not None:
             self._restore_co2(resume_from_checkpoint)
         return model, train_dataloader
 
-    def _co2_wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The one place where a worker's model is wrapped. Today no wrapper is needed: with
-        ``co2_worker_size = k > 1`` the k processes of a worker keep full replicas and
-        `training_step` averages their gradients through the engine (its worker group)."""
-        return model
+    def _shard_inside_workers(self, fsdp2: dict) -> None:
+        """FSDP2 over the processes of this worker: each layer of the configured (or the model's
+        ``_no_split_modules``) classes, then the root. Before the optimizer exists, so that it is
+        made over the sharded parameters; once only (a second ``train()`` finds it sharded)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from ..core import worker_mesh
+
+        if isinstance(self.model, FSDPModule):
+            return
+        if self.optimizer is not None:
+            raise ValueError(
+                "FSDP2 inside a CO2 worker shards the model before the optimizer is made: let the "
+                "Trainer create it (do not pass optimizers=...)"
+            )
+        mesh = worker_mesh(self.args.co2_worker_size, self.args.device.type)
+        layers = set(fsdp2["layer_classes"] or getattr(self.model, "_no_split_modules", None) or [])
+        reshard = fsdp2["reshard_after_forward"]
+        for module in list(self.model.modules())[1:]:
+            if type(module).__name__ in layers:
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)
@@ -125,7 +149,9 @@ class CO2Trainer(Trainer):
         """
         if self.co2 is None:
             return super().evaluate(*args, **kwargs)
-        with _on_anchor(self.model, self.co2), _rng_untouched():
+        # FSDP2 gathers its own shards in forward: the anchor must be in them, not swapped in
+        on_anchor = self.co2.anchor_in_place() if self.co2.layout.presharded else _on_anchor(self.model, self.co2)
+        with on_anchor, _rng_untouched():
             return super().evaluate(*args, **kwargs)
 
     # ------------------------------------------------------------------ saving and resuming
@@ -215,6 +241,15 @@ class CO2Trainer(Trainer):
                 step=_saved_step(resume_from_checkpoint),
             )
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None or getattr(self.args, "_co2_fsdp2", None) is None:
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        # FSDP2: optimizer.pt holds rank 0's shards only; every rank's own optimizer state comes
+        # back from its co2_rank{r}.pt right after (`_restore_co2`). The schedule is shared.
+        path = os.path.join(checkpoint_dir, SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def _restore_co2(self, directory: str) -> None:
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
