@@ -166,3 +166,42 @@ def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
         "resumed": _whole_state(resumed.model),
         "losses": [e["loss"] for e in sharded.state.log_history if "loss" in e],
     }
+
+
+def accelerate_fsdp_run(rank: int, world: int, out: str, *, save_at: int | None, load: bool) -> dict:
+    """A custom Accelerate loop with FSDP2 inside workers of 2: 12 steps; optionally saved with
+    ``co2.save_state`` at ``save_at`` and loaded back with ``accelerator.load_state`` right away
+    (into a model moved elsewhere in between), which must not change the run at all."""
+    from accelerate import Accelerator
+    from trainer_workers import _env, tiny_gpt2
+
+    from co2_hf import CO2Accelerate
+
+    _env(rank, world)
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    mesh = worker_mesh(2, "cpu")
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = accelerator.prepare_model(model, evaluation_mode=True)  # no DDP: FSDP2 syncs the worker
+    optimizer = accelerator.prepare_optimizer(optimizer)
+    g = torch.Generator().manual_seed(rank)
+    with CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_worker_size=2, co2_local_steps=4)) as co2:
+        for step in range(12):
+            ids = torch.randint(0, 64, (4, 16), generator=g)
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            co2.average_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+            co2.step()
+            if step + 1 == save_at:
+                co2.save_state(f"{out}/ckpt")
+                if load:
+                    with torch.no_grad():  # disturb everything the checkpoint must bring back
+                        for p in model.parameters():
+                            p.to_local().add_(1.0)
+                    optimizer.state.clear()
+                    accelerator.load_state(f"{out}/ckpt")
+    return _whole_state(model)

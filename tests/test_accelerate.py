@@ -80,8 +80,11 @@ def test_independent_replicas_are_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Accelerator\(cpu=True\)"):
         _check_launch(alone, CO2Config())
     deepspeed = SimpleNamespace(num_processes=2, distributed_type=DistributedType.DEEPSPEED)
-    with pytest.raises(ValueError, match="does not support DEEPSPEED"):
+    with pytest.raises(ValueError, match="does not support Accelerate's DEEPSPEED"):
         _check_launch(deepspeed, CO2Config())
+    fsdp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP)
+    with pytest.raises(ValueError, match=r"FSDP: it shards across every process.*worker_mesh\(k\)"):
+        _check_launch(fsdp, CO2Config())
 
 
 @pytest.mark.timeout(60)

@@ -83,13 +83,28 @@ def test_fsdp2_across_workers_is_refused(four_ranks):
         assert "sharded by FSDP2 over ranks [0, 1, 2, 3]" in message and "worker_mesh" in message, message
 
 
+def _hf_suite(rank: int, world: int, out: str) -> dict:
+    from fsdp_workers import accelerate_fsdp_run, trainer_fsdp_suite
+
+    return {
+        "trainer": trainer_fsdp_suite(rank, world, f"{out}/trainer"),
+        "accelerate": accelerate_fsdp_run(rank, world, f"{out}/plain", save_at=None, load=False),
+        "accelerate_reloaded": accelerate_fsdp_run(rank, world, f"{out}/reload", save_at=6, load=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_hf")
+    return out, run_processes(_hf_suite, 4, str(out), timeout_s=200)
+
+
 @pytest.mark.timeout(240)
-def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes_bit_for_bit(tmp_path):
+def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes_bit_for_bit(hf_runs):
     """CO2Trainer, 4 processes as 2 workers of 2, ``--fsdp full_shard``: the same training as
     workers of 2 full replicas; evaluation on the anchor; a loadable model; an exact resume."""
-    from fsdp_workers import trainer_fsdp_suite
-
-    runs = run_processes(trainer_fsdp_suite, 4, str(tmp_path), timeout_s=200)
+    tmp_path, suites = hf_runs
+    runs = [suite["trainer"] for suite in suites]
     for rank in range(4):
         run = runs[rank]
         assert run["fsdp_type"].startswith("FSDP")
@@ -100,5 +115,20 @@ def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes
         # evaluations at steps 4, 8 and 12, then the one after training
         assert len(run["evals"]) == 4 and run["eval_trained"] == pytest.approx(run["eval_loaded"], rel=1e-5)
     assert runs[0]["losses"][-1] < runs[0]["losses"][0]
-    checkpoint = tmp_path / "resume" / "checkpoint-6"
+    checkpoint = tmp_path / "trainer" / "resume" / "checkpoint-6"
     assert sorted(p.name for p in checkpoint.glob("co2_rank*.pt")) == [f"co2_rank{r}.pt" for r in range(4)]
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_loop_with_fsdp2_saves_and_loads_mid_round_without_changing_the_run(hf_runs):
+    from safetensors.torch import load_file
+
+    tmp_path, suites = hf_runs
+    for rank in range(4):
+        for key, value in suites[rank]["accelerate"].items():
+            assert torch.equal(suites[rank]["accelerate_reloaded"][key], value), (rank, key)
+    saved = load_file(tmp_path / "reload" / "ckpt" / "model.safetensors")  # the whole anchor, not a shard
+    assert saved["transformer.wte.weight"].shape == (64, 32) and saved["transformer.h.0.mlp.c_fc.weight"].shape == (
+        32,
+        128,
+    )

@@ -18,6 +18,11 @@ makes every rank write its own ``co2_rank{r}.pt`` (local parameters, inner optim
 state), which a registered checkpoint object restores after Accelerate has loaded the rest.
 ``co2.save_state(folder)`` does the same atomically: the folder appears only once complete, with a
 manifest that ``load_state`` checks (a plain ``accelerator.save_state`` folder has none).
+
+FSDP2 inside a worker (``co2_worker_size = k``): shard the model with ``fully_shard(module,
+mesh=co2_hf.core.worker_mesh(k))`` before making the optimizer, and prepare it with
+``accelerator.prepare_model(model, evaluation_mode=True)`` (no DDP: FSDP2 averages the worker's
+gradients). Checkpoints then hold each rank's own shards; the model file is the whole anchor.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class CO2Accelerate:
         self.co2 = CO2(self.module, self.config, optimizer=inner)
         self._no_sync = contextlib.ExitStack()
         self._load_dir: str | None = None
+        self._skipped_loads: _SkippedLoads | None = None
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._save_hook),
             accelerator.register_load_state_pre_hook(self._load_hook),
@@ -132,6 +138,10 @@ class CO2Accelerate:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         checkpoint.read_rank_state(input_dir, rank, world, require_manifest=False)
         self._load_dir = input_dir
+        if self.co2.layout.presharded:
+            # FSDP2: the model file is the whole anchor and optimizer.bin rank 0's shards; neither
+            # fits this rank's shards, and its own file restores both right after
+            self._skipped_loads = _SkippedLoads(self.module, self.optimizer)
 
 
 class _RankStateRestorer:
@@ -150,11 +160,30 @@ class _RankStateRestorer:
             raise RuntimeError("CO2Accelerate: checkpoint object loaded outside accelerator.load_state")
         rank = owner.accelerator.process_index
         world = owner.accelerator.num_processes
+        if owner._skipped_loads is not None:
+            owner._skipped_loads.undo()
+            owner._skipped_loads = None
         saved = checkpoint.read_rank_state(owner._load_dir, rank, world, require_manifest=False)
         checkpoint.apply_rank_state(
             saved, co2=owner.co2, model=owner.module, optimizer=owner.optimizer, scaler=owner.accelerator.scaler
         )
         owner._load_dir = None
+
+
+class _SkippedLoads:
+    """Makes a module's and an optimizer's state loading no-ops until ``undo`` (instance
+    attributes shadowing their methods), for the span of one ``accelerator.load_state``."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
+        self.objects = [module, optimizer]
+        module.state_dict = lambda *a, **k: {}
+        module.load_state_dict = lambda *a, **k: torch.nn.modules.module._IncompatibleKeys([], [])
+        optimizer.load_state_dict = lambda *a, **k: None
+
+    def undo(self) -> None:
+        for obj in self.objects:
+            for name in ("state_dict", "load_state_dict"):
+                obj.__dict__.pop(name, None)
 
 
 def _strip(key: str, anchor: dict) -> str:
@@ -174,7 +203,9 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
         )
     if accelerator.distributed_type.value in ("DEEPSPEED", "FSDP", "MEGATRON_LM"):
         raise ValueError(
-            f"CO2Accelerate does not support {accelerator.distributed_type.value}: with "
-            "co2_worker_size=1 every process is its own CO2 worker"
+            f"CO2Accelerate does not support Accelerate's {accelerator.distributed_type.value}: it shards "
+            "across every process, that is across CO2 workers. To shard inside each worker of "
+            "co2_worker_size=k processes, apply FSDP2 yourself: fully_shard(module, "
+            "mesh=co2_hf.core.worker_mesh(k)), then accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
