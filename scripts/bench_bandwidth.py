@@ -63,8 +63,11 @@ CO2_SETTINGS = {  # the README's table of methods
     "local_sgd": dict(co2_overlap=False, co2_outer_lr=1.0, co2_outer_momentum=0.0),
     "diloco": dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
     "co2": dict(co2_overlap=True),
+    # CO2 with one worker per node (co2_worker_size = --ranks-per-node): data parallel inside the
+    # node, and each rank all-reduces 1/k of the outer gradient across nodes
+    "co2_node": dict(co2_overlap=True),
 }
-METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2")
+METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_node")
 MODELS = {
     "small": MODEL,
     "large": {**MODEL, "n_embd": 512, "n_layer": 8, "n_head": 8},
@@ -274,7 +277,7 @@ def build_plan(args) -> list[Block]:
 
 def _method_and_link(run: Run, block: Block) -> tuple[str, float]:
     bps = rate_bps(block.rate)
-    return {"ddp": "data_parallel", "diloco": "local_sgd"}.get(
+    return {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2"}.get(
         run.method, run.method
     ), 0.95 * bps if bps else UNSHAPED_BPS
 
@@ -310,8 +313,9 @@ def build_model(cfg: dict, seed: int):
     return GPT2LMHeadModel(GPT2Config(**cfg))
 
 
-def train(run: Run, cfg: dict, rank: int, device: str, batch: int) -> dict:
-    """One method for tau x rounds steps; per-step times and, for the CO2 engine, waits per boundary."""
+def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_node: int = 1) -> dict:
+    """One method for tau x rounds steps; per-step times, for the CO2 engine the waits per boundary,
+    and the bytes this rank's node sent over its link (its veth's tx counter; None on loopback)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -323,14 +327,19 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int) -> dict:
     if run.method == "ddp":
         model = DistributedDataParallel(model)
     elif run.method in CO2_SETTINGS:
-        co2 = CO2(model, CO2Config(co2_local_steps=run.tau, **CO2_SETTINGS[run.method]), optimizer=optimizer)
+        k = ranks_per_node if run.method == "co2_node" else 1
+        settings = CO2Config(co2_local_steps=run.tau, co2_worker_size=k, **CO2_SETTINGS[run.method])
+        co2 = CO2(model, settings, optimizer=optimizer)
     gen = torch.Generator().manual_seed(rank)
+    tx_start = _link_tx_bytes()
     times, waits, comms = [], [], []
     for _ in range(run.tau * run.rounds):
         tokens = torch.randint(0, cfg["vocab_size"], (batch, SEQ), generator=gen).to(device)
         start = time.perf_counter()
         optimizer.zero_grad()
         model(input_ids=tokens, labels=tokens).loss.backward()
+        if co2 is not None:
+            co2.average_gradients()  # inside a worker of several ranks (co2_node); else nothing
         optimizer.step()
         boundary = co2 is not None and co2.step()
         if device.startswith("cuda"):
@@ -340,9 +349,24 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int) -> dict:
             waits.append(co2.last_wait_s)
             comms.append(co2.last_comm_s)
     if co2 is not None:
-        co2.finalize()
+        co2.finalize()  # the last round's all-reduce completes: every round's bytes are counted
+    tx = _link_tx_bytes()
     # the load average shows whether anything else ran on the machine during the run
-    return {"times": times, "waits": waits, "comms": comms, "load_1m": os.getloadavg()[0]}
+    return {
+        "times": times,
+        "waits": waits,
+        "comms": comms,
+        "load_1m": os.getloadavg()[0],
+        "link_tx_bytes": tx - tx_start if tx is not None else None,
+    }
+
+
+def _link_tx_bytes() -> int | None:
+    """Bytes sent so far through this node's link (the namespace's veth); None on loopback."""
+    device = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if device == "lo":
+        return None
+    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -369,7 +393,8 @@ def worker(spec_path: str) -> None:
     train(Run("no_comm", 1, 4), cfg, rank, spec["device"], batch)  # untimed: first calls are slow everywhere
     for i, run in enumerate(spec["runs"]):
         dist.barrier()  # every run starts together
-        _write_json(out / f"run{i}.rank{rank}.json", train(Run(**run), cfg, rank, spec["device"], batch))
+        result = train(Run(**run), cfg, rank, spec["device"], batch, spec["ranks_per_node"])
+        _write_json(out / f"run{i}.rank{rank}.json", result)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -414,6 +439,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def run_block(block: Block, workdir: Path, *, port: int, loopback: bool, device: str) -> tuple[list, list]:
     """Launch the ranks; return the probe per rank and, per run, its results per rank or an error."""
     spec = {"model": block.model, "batch": block.batch, "device": device, "out_dir": str(workdir), "timeout_s": 900}
+    spec["ranks_per_node"] = block.ranks_per_node
     spec["runs"] = [asdict(r) for r in block.runs]
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -506,6 +532,11 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         "allreduce_alone_s": round(alone, 4),
         "load_1m": round(per_rank[0]["load_1m"], 2),
     }
+    tx = [r.get("link_tx_bytes") for r in per_rank]
+    if tx and all(t is not None for t in tx):  # every rank of a node reads the node's one counter
+        per_node = [tx[n * block.ranks_per_node] for n in range(block.nodes)]
+        line["link_tx_bytes_per_round"] = round(statistics.fmean(per_node) / run.rounds)
+        line["link_tx_predicted_bytes_per_round"] = round(predicted_link_bytes(run.method, block))
     exposed, hidden = 0.0, None
     if run.method in CO2_SETTINGS:
         waits = [max(w) for w in zip(*(r["waits"][1:-1] for r in per_rank))]  # max over ranks per round
@@ -525,6 +556,18 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         line["limit_tokens_per_s"] = round(block.ranks * block.batch * SEQ / limit, 1)
     line["hidden_frac"] = round(hidden, 4) if hidden is not None else None
     return line
+
+
+def predicted_link_bytes(method: str, block: Block) -> float:
+    """Bytes a node sends over its link per round (per step for ddp), for fp32 ring all-reduces of
+    the model's size S: a ring of R members makes every hop carry 2 (R-1)/R x S, and a ring over
+    all ranks in node order leaves each node through one hop. With one worker per node
+    (co2_node), k rings of one rank per node each carry S/k, and all k leave the node."""
+    if method == "no_comm":
+        return 0.0
+    size = 4 * gpt2_params(MODELS[block.model])
+    members = block.nodes if method == "co2_node" else block.ranks
+    return 2 * (members - 1) / members * size
 
 
 def _limit_for(i: int, block: Block, per_step: list[float | None]) -> float | None:
@@ -553,7 +596,13 @@ def block_lines(block: Block, probe: list[dict] | None, results: list) -> list[d
     return lines
 
 
-LABELS = {"ddp": "data parallel (DDP)", "local_sgd": "local SGD", "diloco": "DiLoCo-style", "co2": "CO2"}
+LABELS = {
+    "ddp": "data parallel (DDP)",
+    "local_sgd": "local SGD",
+    "diloco": "DiLoCo-style",
+    "co2": "CO2",
+    "co2_node": "CO2, one worker per node",
+}
 
 
 def plot(lines: list[dict], path: str, *, ranks: int, model: str) -> None:
@@ -598,7 +647,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=csv(str), default=["unshaped", "1gbit", "300mbit", "100mbit"])
     parser.add_argument("--taus", type=csv(int), default=[4, 12], help="taus of the CO2-engine methods")
-    parser.add_argument("--methods", type=csv(str), default=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        type=csv(str),
+        default=[m for m in METHODS if m != "co2_node"],
+        help=f"among {', '.join(METHODS)} (co2_node: needs --ranks-per-node > 1)",
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing one namespace (unshaped)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -629,6 +683,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.methods) - set(METHODS)
     if unknown or args.ranks % args.ranks_per_node or args.ranks < 2:
         parser.error(f"methods must be among {METHODS}; --ranks >= 2, a multiple of --ranks-per-node")
+    if "co2_node" in args.methods and (args.ranks_per_node < 2 or args.extras):
+        parser.error("--methods co2_node makes each node one worker: it needs --ranks-per-node >= 2 and --no-extras")
     if args.loopback and (args.rates != ["unshaped"] or args.extras):
         parser.error("--loopback cannot shape: use --rates unshaped --no-extras")
     for rate in args.rates:

@@ -52,6 +52,9 @@ def test_ranks_per_node_share_a_namespace(capsys):
     launches = [c for c in commands if "--worker" in c]
     assert [c.split("ip netns exec ")[1].split()[0] for c in launches] == ["co2b-n0", "co2b-n0", "co2b-n1", "co2b-n1"]
     assert not any("co2b-sw" in c for c in commands)  # two nodes: one veth pair, no bridge
+    assert any("link set co2b-e0 mtu 1500" in c for c in commands)
+    with pytest.raises(SystemExit):  # one worker per node needs several ranks per node
+        bb.main(["--dry-run", "--methods", "co2_node", "--no-extras"])
 
 
 @pytest.mark.timeout(20)
@@ -90,6 +93,21 @@ def test_steady_state_summary_by_hand():
     assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
     assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
     assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * bb.SEQ / 2.0
+    assert "link_tx_bytes_per_round" not in line  # loopback: no link counter
+
+
+@pytest.mark.timeout(10)
+def test_link_bytes_per_round_and_their_prediction_by_hand():
+    run = bb.Run("co2_node", tau=2, rounds=4)
+    block = bb.Block(4, 2, "100mbit", "tiny", [run], batch=3)
+    ranks = [{"times": [1.0] * 8, "waits": [0] * 4, "comms": [1] * 4, "load_1m": 1.0} for _ in range(4)]
+    for rank, tx in zip(ranks, [400, 400, 800, 800]):  # the two ranks of a node read one counter
+        rank["link_tx_bytes"] = tx
+    line = bb.run_line(block, run, ranks, alone=1.0, limit=1.0)
+    assert line["link_tx_bytes_per_round"] == 150  # (400 + 800) / 2 nodes / 4 rounds
+    size = 4 * sm.gpt2_params(bb.MODELS["tiny"])
+    assert line["link_tx_predicted_bytes_per_round"] == round(size)  # 2 (2-1)/2 x S: k rings of S/k
+    assert bb.predicted_link_bytes("co2", block) == pytest.approx(1.5 * size)  # one ring of 4 ranks
 
 
 @pytest.mark.timeout(90)
