@@ -82,6 +82,7 @@ def train_and_report(trainer, *, start: float, per_step: dict, title: str, metri
     trainer.save_metrics("all", metrics)
     if trainer.is_world_process_zero():
         summary = {"world_size": args.world_size, "wall_time_s": time.time() - start, **per_step}
+        summary["fsdp2_inside_workers"] = type(trainer.model).__name__.startswith("FSDP")
         write_run_summary(args.output_dir, args, summary)
         plot = plot_curves(
             trainer.state.log_history, os.path.join(args.output_dir, "loss_curve.png"), title=title, metric=metric

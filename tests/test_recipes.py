@@ -81,15 +81,18 @@ def test_gpt_recipe_offline_default_two_processes(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_vit_recipe_offline_default_through_a_baseline_method(tmp_path):
+def test_vit_recipe_offline_default_through_a_baseline_method_with_fsdp2_inside_one_worker(tmp_path):
+    """The ViT recipe, local SGD, its 2 processes one worker (co2_worker_size 2) sharded by FSDP2."""
     from transformers import ViTForImageClassification
 
-    (line,) = _compare(tmp_path, "vit", ["local_sgd"], "--co2_local_steps", "2", port=29562)
+    flags = ("--co2_local_steps", "2", "--co2_worker_size", "2", "--fsdp", "full_shard")
+    (line,) = _compare(tmp_path, "vit", ["local_sgd"], *flags, port=29562)
     assert line["method"] == "local_sgd" and 0 <= line["eval_accuracy"] <= 1 and line["world_size"] == 2
     model = ViTForImageClassification.from_pretrained(tmp_path / "local_sgd_seed0")
     assert model.config.num_labels == 10
     summary = json.loads((tmp_path / "local_sgd_seed0" / "run_summary.json").read_text())
     assert summary["co2"]["co2_overlap"] is False and summary["co2"]["co2_outer_momentum"] == 0.0
+    assert summary["co2"]["co2_worker_size"] == 2 and summary["fsdp2_inside_workers"] is True
 
 
 @pytest.mark.timeout(20)
