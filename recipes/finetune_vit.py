@@ -111,7 +111,12 @@ def model_config(model_args: ModelArguments, **labels) -> ViTConfig:
     )
 
 
-def build_model(model_args: ModelArguments, labels: list[str]):
+def build_model(model_args: ModelArguments, labels: list[str], *, seed: int):
+    """The model (a new classification head on a pretrained one), initial weights drawn from
+    ``seed``: the Trainer seeds only after the model exists."""
+    from transformers import set_seed
+
+    set_seed(seed)
     id2label = dict(enumerate(labels))
     label_kwargs = dict(num_labels=len(labels), id2label=id2label, label2id={v: k for k, v in id2label.items()})
     if model_args.model_name_or_path:
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         train, validation, labels = image_splits(data_args, processor)
     if data_args.max_eval_samples is not None:
         validation = validation.select(range(min(len(validation), data_args.max_eval_samples)))
-    model = build_model(model_args, labels)
+    model = build_model(model_args, labels, seed=training_args.seed)
     trainer = CO2Trainer(
         model=model,
         args=training_args,

@@ -160,9 +160,12 @@ def model_config(model_args: ModelArguments, block_size: int, vocab_size: int, *
     )
 
 
-def build_model(model_args: ModelArguments, tokenizer, block_size: int):
-    from transformers import AutoModelForCausalLM
+def build_model(model_args: ModelArguments, tokenizer, block_size: int, *, seed: int):
+    """The model, its initial weights drawn from ``seed`` (the Trainer seeds only after it exists:
+    without this, every run of the same command would start from other weights)."""
+    from transformers import AutoModelForCausalLM, set_seed
 
+    set_seed(seed)
     specials = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return AutoModelForCausalLM.from_config(model_config(model_args, block_size, len(tokenizer), **specials))
 
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         validation = validation.select(range(min(len(validation), data_args.max_eval_samples)))
     elif data_args.max_eval_samples is not None:
         validation = validation.take(data_args.max_eval_samples)
-    model = build_model(model_args, tokenizer, data_args.block_size)
+    model = build_model(model_args, tokenizer, data_args.block_size, seed=training_args.seed)
     callbacks = [WallClock(training_args.output_dir)]
     if model_args.lr_spike_round is not None:
         callbacks.append(LRSpike(model_args.lr_spike_round, model_args.lr_spike_factor, training_args.co2_local_steps))

@@ -161,3 +161,35 @@ def test_bad_spike_flags_are_refused_with_the_flag_named(flags):
 
     with pytest.raises(ValueError, match=flags[0]):
         pretrain_gpt.parse(["--output_dir", "unused", *flags])
+
+
+@pytest.mark.timeout(30)
+def test_both_recipes_draw_the_initial_weights_from_the_seed():
+    """Same --seed, same first weights, whatever the process's RNG did before (every run of one
+    command must start from the same model: the Trainer seeds only once the model exists)."""
+    import finetune_vit
+    import pretrain_gpt
+    import torch
+    from transformers import GPT2TokenizerFast
+
+    def first_weights(build):
+        torch.manual_seed(torch.seed())  # a fresh, random process state
+        return next(build().parameters()).detach().clone()
+
+    vit_args = finetune_vit.ModelArguments()
+    vit = [first_weights(lambda: finetune_vit.build_model(vit_args, list("0123456789"), seed=3)) for _ in range(2)]
+    assert torch.equal(vit[0], vit[1])
+    tokenizer = GPT2TokenizerFast(tokenizer_object=_tiny_bpe())
+    gpt_args = pretrain_gpt.ModelArguments(model_size="tiny")
+    gpt = [first_weights(lambda: pretrain_gpt.build_model(gpt_args, tokenizer, 64, seed=3)) for _ in range(2)]
+    assert torch.equal(gpt[0], gpt[1])
+    other = first_weights(lambda: pretrain_gpt.build_model(gpt_args, tokenizer, 64, seed=4))
+    assert not torch.equal(gpt[0], other)
+
+
+def _tiny_bpe():
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["to be or not to be"] * 10, vocab_size=300, special_tokens=["<|endoftext|>"])
+    return bpe
