@@ -54,6 +54,12 @@ CONFIGS: dict[str, dict | None] = {
     "eager_b0": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0),
     "eager_b0_pen": dict(co2_start_rule="eager", co2_outer_momentum=0.0),
     "eager_b0_lr08": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_outer_lr=0.8),
+    "eager_b0_lr12": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_outer_lr=1.2),
+    "eager_b0_clip": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_clip_threshold=1.0),
+    "eager_b0_const2": dict(
+        co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"
+    ),
+    "eager_b2_nesterov": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_nesterov=True),
     "eager_b5": dict(co2_start_rule="eager", co2_outer_momentum=0.5, co2_gap_penalty=0.0),
     "eager_clip": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_clip_threshold=0.5),
     "eager_lr08": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_outer_lr=0.8),
