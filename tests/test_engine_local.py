@@ -234,6 +234,20 @@ def test_bfloat16_on_the_wire_keeps_fp32_state_and_stays_close():
 def test_state_device_cpu_places_the_outer_state_in_host_memory():
     _, _, co2 = _engine(co2_state_device="cpu")
     assert {t.device.type for t in (co2._anchor, co2._momentum, co2._buf)} == {"cpu"}
+    assert not co2._anchor.is_pinned()  # nothing to pin for a model on the CPU
+
+
+def test_host_state_is_pinned_exactly_when_the_model_is_on_a_gpu():
+    from types import SimpleNamespace
+
+    from co2_hf.core.co2 import _pin_state
+
+    def model_on(device):
+        return SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device(device))]))
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _pin_state(model_on("cuda"), cpu) and not _pin_state(model_on("cpu"), cpu)
+    assert not _pin_state(model_on("cuda"), cuda)  # state on the GPU itself
 
 
 def test_engine_refuses_disabled_config_and_unsupported_worker_size():
