@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from workers import TinyNet, loss_on, make_optimizer
+from workers import TinyNet, loss_on, make_optimizer, train_steps
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core import worker_mesh
@@ -69,12 +69,7 @@ def fsdp_stop_and_resume(rank: int, world: int, cfg_kwargs: dict, path: str) -> 
         return model, optimizer, CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
 
     def train(model, optimizer, co2, start, stop):
-        for step in range(start, stop):
-            optimizer.zero_grad()
-            loss_on(model, rank, step).backward()
-            co2.average_gradients()
-            optimizer.step()
-            co2.step()
+        train_steps(model, optimizer, co2, rank, start, stop)
 
     def final(model, co2):
         co2.finalize()

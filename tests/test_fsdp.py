@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import run_processes
 from fsdp_workers import fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
-from workers import reference_hierarchical
+from workers import assert_same_anchors, reference_hierarchical
 
 K, STEPS = 2, 3 * 4 + 2
 SCENARIOS = {
@@ -37,12 +37,8 @@ def four_ranks(tmp_path_factory):
 
 def _reference(name: str) -> list[dict]:
     kwargs = dict(SCENARIOS[name])
-    warmup = kwargs.pop("co2_sync_warmup_steps", 0)
-    if warmup:  # the reference's warm-up: data parallel over every process of every worker
-        from workers import train_reference_union_warmup
-
-        return train_reference_union_warmup(2, K, kwargs, STEPS, warmup)
-    return reference_hierarchical(2, K, kwargs, STEPS)
+    warmup = kwargs.pop("co2_sync_warmup_steps", 0)  # the reference's warm-up: every process's batch
+    return reference_hierarchical(2, K, kwargs, STEPS, warmup=warmup)
 
 
 @pytest.mark.timeout(200)
@@ -50,11 +46,7 @@ def _reference(name: str) -> list[dict]:
 def test_fsdp2_inside_two_workers_equals_the_union_batch_reference(four_ranks, name):
     reference = _reference(name)
     for rank in range(4):
-        engine = four_ranks[rank][name]["anchors"]
-        assert len(engine) == len(reference)
-        for boundary, (got, want) in enumerate(zip(engine, reference)):
-            for key, value in want.items():
-                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {boundary} {key}")
+        assert_same_anchors(four_ranks[rank][name]["anchors"], reference, f"rank {rank}")
         for key, value in reference[-1].items():  # after finalize the live model is the anchor
             torch.testing.assert_close(four_ranks[rank][name]["live"][key], value, rtol=1e-5, atol=1e-5)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from distributed import run_processes
 from workers import (
+    assert_same_anchors,
     hierarchical_resume,
     hierarchical_stop,
     outer_state_of_a_wide_model,
@@ -43,11 +44,7 @@ def four_ranks():
 def test_two_workers_of_two_processes_equal_the_union_batch_reference(four_ranks, name):
     reference = reference_hierarchical(2, K, SCENARIOS[name], STEPS)
     for rank in range(4):
-        engine = four_ranks[rank][name]["anchors"]
-        assert len(engine) == len(reference)
-        for boundary, (got, want) in enumerate(zip(engine, reference)):
-            for key, value in want.items():
-                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {boundary} {key}")
+        assert_same_anchors(four_ranks[rank][name]["anchors"], reference, f"rank {rank}")
 
 
 @pytest.mark.timeout(200)

@@ -233,6 +233,14 @@ def resume(rank: int, world: int, save_path: str) -> dict:
 # ---------------------------------------------------------------- hierarchical workers (k processes each)
 
 
+def assert_same_anchors(engine: list[dict], reference: list[dict], who: str, *, tol: float = 1e-5) -> None:
+    """The engine's anchor after every boundary (and finalize) equals the reference's."""
+    assert len(engine) == len(reference), who
+    for boundary, (got, want) in enumerate(zip(engine, reference)):
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=tol, atol=tol, msg=f"{who} {boundary} {key}")
+
+
 def union_loss(model: nn.Module, worker: int, step: int, k: int) -> torch.Tensor:
     """The loss of worker ``worker`` in the reference: the mean over its k processes' batches."""
     return sum(loss_on(model, worker * k + j, step) for j in range(k)) / k
@@ -257,35 +265,16 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
     }
 
 
-def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int) -> list[dict]:
+def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int, warmup: int = 0) -> list[dict]:
+    """G workers of k processes in this process: each worker's loss is the mean over its
+    processes' batches; the first ``warmup`` steps are data parallel over every batch."""
     from reference import ReferenceCO2
 
     cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
     models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
-    ref = ReferenceCO2(models, cfg)
+    ref = ReferenceCO2(models, cfg) if warmup == 0 else None
     optimizers = [make_optimizer(m, "sgd") for m in models]
     anchors = []
-    for step in range(steps):
-        for w, (model, optimizer) in enumerate(zip(models, optimizers)):
-            optimizer.zero_grad()
-            union_loss(model, w, step, k).backward()
-            optimizer.step()
-        ref.after_inner_step()
-        if ref.steps_in_round == 0:
-            anchors.append({n: t.clone() for n, t in ref.anchor.items()})
-    ref.finalize()
-    anchors.append({n: t.clone() for n, t in ref.anchor.items()})
-    return anchors
-
-
-def train_reference_union_warmup(workers: int, k: int, cfg_kwargs: dict, steps: int, warmup: int) -> list[dict]:
-    """``reference_hierarchical`` after ``warmup`` steps of data parallel over every process's batch."""
-    from reference import ReferenceCO2
-
-    cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
-    models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
-    optimizers = [make_optimizer(m, "sgd") for m in models]
-    ref, anchors = None, []
     for step in range(steps):
         for w, (model, optimizer) in enumerate(zip(models, optimizers)):
             optimizer.zero_grad()
@@ -296,7 +285,7 @@ def train_reference_union_warmup(workers: int, k: int, cfg_kwargs: dict, steps: 
             optimizer.step()
         if step < warmup:
             if step == warmup - 1:
-                ref = ReferenceCO2(models, cfg)
+                ref = ReferenceCO2(models, cfg)  # the anchor is taken now
             continue
         ref.after_inner_step()
         if ref.steps_in_round == 0:
@@ -313,6 +302,16 @@ def outer_state_of_a_wide_model(rank: int, world: int) -> dict:
     return {"nbytes": co2.outer_state_nbytes(), "params": params}
 
 
+def train_steps(model, optimizer, co2: CO2, rank: int, start: int, stop: int) -> None:
+    """Steps ``start .. stop - 1`` on rank ``rank``'s batches, gradients averaged inside a worker."""
+    for step in range(start, stop):
+        optimizer.zero_grad()
+        loss_on(model, rank, step).backward()
+        co2.average_gradients()
+        optimizer.step()
+        co2.step()
+
+
 def hierarchical_stop(rank: int, world: int, cfg_kwargs: dict, path: str) -> dict:
     """Uninterrupted 14 steps; then a run stopped at step 6 (mid-round, in flight), saved per rank."""
 
@@ -322,12 +321,7 @@ def hierarchical_stop(rank: int, world: int, cfg_kwargs: dict, path: str) -> dic
         return model, optimizer, CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
 
     def train(model, optimizer, co2, start, stop):
-        for step in range(start, stop):
-            optimizer.zero_grad()
-            loss_on(model, rank, step).backward()
-            co2.average_gradients()
-            optimizer.step()
-            co2.step()
+        train_steps(model, optimizer, co2, rank, start, stop)
 
     model, optimizer, co2 = fresh(0)
     train(model, optimizer, co2, 0, 14)
@@ -350,11 +344,6 @@ def hierarchical_resume(rank: int, world: int, cfg_kwargs: dict, path: str) -> d
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     co2.load_state_dict(saved["co2"])
-    for step in range(6, 14):
-        optimizer.zero_grad()
-        loss_on(model, rank, step).backward()
-        co2.average_gradients()
-        optimizer.step()
-        co2.step()
+    train_steps(model, optimizer, co2, rank, 6, 14)
     co2.finalize()
     return {k: v.clone() for k, v in model.state_dict().items()}
