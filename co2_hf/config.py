@@ -53,6 +53,12 @@ class CO2Config:
         "Where a round starts: 'anchor' (every worker at the shared anchor) or 'eager' (the anchor "
         "minus the worker's own last outer gradient, applied at once). Only matters with overlap.",
     )
+    co2_eager_weight: float = _knob(
+        1.0,
+        "gamma in [0, 1], with co2_start_rule='eager': a round starts at the anchor minus gamma times the "
+        "worker's own last outer gradient minus (1 - gamma) times the anchor's last move (the last "
+        "average standing in for the one in flight). 1: plain eager.",
+    )
     co2_gap_penalty: float = _knob(
         1.0, "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Overlap only."
     )
@@ -101,6 +107,8 @@ class CO2Config:
         _check("co2_outer_lr", alpha, _is_real(alpha) and alpha > 0, "a finite number > 0")
         beta = self.co2_outer_momentum
         _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
+        gamma = self.co2_eager_weight
+        _check("co2_eager_weight", gamma, _is_real(gamma) and 0 <= gamma <= 1, "a number in [0, 1]")
         lam = self.co2_gap_penalty
         _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
         phi = self.co2_clip_threshold

@@ -60,6 +60,11 @@ CONFIGS: dict[str, dict | None] = {
         co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"
     ),
     "eager_b2_nesterov": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_nesterov=True),
+    # eager with the worker's own outer gradient weighted by gamma and the anchor's last move by
+    # 1 - gamma (co2_eager_weight; 0.2 = 1/(G+1), the variance-minimising weight for 4 workers)
+    "eager_b0_w02": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_eager_weight=0.2),
+    "eager_b0_w05": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_eager_weight=0.5),
+    "eager_b0_w0": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_eager_weight=0.0),
     "eager_b5": dict(co2_start_rule="eager", co2_outer_momentum=0.5, co2_gap_penalty=0.0),
     "eager_clip": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_clip_threshold=0.5),
     "eager_lr08": dict(co2_start_rule="eager", co2_gap_penalty=0.0, co2_outer_lr=0.8),

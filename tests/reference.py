@@ -109,10 +109,12 @@ class ReferenceCO2:
             self.reset(buffers=True)
             return
         received, self.pending = self.pending, sent
+        before = {n: t.clone() for n, t in self.anchor.items()}
         if received is not None:
             self.apply(*received, stale=True)
-        if eager:
-            self.own = outer
+        if eager:  # start at a - gamma d - (1 - gamma) (the anchor's last move)
+            gamma = self.cfg.co2_eager_weight
+            self.own = [{n: gamma * d[n] + (1 - gamma) * (before[n] - self.anchor[n]) for n in d} for d in outer]
         self.reset(buffers=received is not None)
         if self.cfg.co2_overlap_steps is not None:  # the next round starts where the reset put it
             self.start = [

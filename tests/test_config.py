@@ -25,6 +25,7 @@ INVALID = [
     ("co2_overlap_steps", 0, "integer >= 1 and < co2_local_steps"),
     ("co2_overlap_steps", 12, "must be < co2_local_steps"),
     ("co2_start_rule", "latest", "'anchor', 'eager'"),
+    ("co2_eager_weight", 1.5, "a number in [0, 1]"),
     ("co2_gap_penalty", -1.0, ">= 0"),
     ("co2_gap_penalty", float("inf"), ">= 0"),
     ("co2_gap_penalty_mode", "linear", "'gap_aware', 'constant'"),

@@ -43,6 +43,7 @@ BAD_FLAGS = [
     ("co2_overlap", "maybe", "expected one of yes/no"),
     ("co2_overlap_steps", "0", "an integer >= 1 and < co2_local_steps"),
     ("co2_start_rule", "latest", "choose from"),
+    ("co2_eager_weight", "-0.1", "a number in [0, 1]"),
     ("co2_gap_penalty", "-1", ">= 0"),
     ("co2_gap_penalty", "inf", ">= 0"),
     ("co2_gap_penalty_mode", "linear", "choose from"),

@@ -449,13 +449,25 @@ class CO2(CheckpointMixin):
                 self._anchor[lo:mid].sub_(v[lo:mid], alpha=alpha)
                 self._anchor[mid:hi].copy_(self._buf[mid:hi])
             if write:
+                if self._own is not None:  # eager: where the next round starts, relative to a
+                    self._own_offset(self._own[lo:mid], x[: mid - lo], v[lo:mid] if apply else None)
                 self._buf[lo:hi].copy_(x)
-                if self._own is not None:
-                    self._own[lo:mid].copy_(x[: mid - lo])
         if not write:
             return True
         finite = torch.isfinite(torch.stack(sums)).all() if sums else torch.ones((), dtype=torch.bool)
         return bool(self.comm.reduce_stats(finite.double().view(1).to(self.device)) >= self.comm.worker_size)
+
+    def _own_offset(self, own: Tensor, d: Tensor, v: Tensor | None) -> None:
+        """``own <- gamma * d + (1 - gamma) * alpha * v``: the next round starts at ``a - own``, with
+        ``d`` this worker's outer gradient just measured and ``alpha * v`` the anchor's move just
+        applied (none when nothing was applied). Reads ``v`` before the buffer is overwritten."""
+        gamma = self.config.co2_eager_weight
+        if gamma == 1.0:
+            own.copy_(d)
+            return
+        torch.mul(d, gamma, out=own)
+        if v is not None:
+            own.add_(v, alpha=(1.0 - gamma) * self.config.co2_outer_lr)
 
     def _launch(self, finite: bool) -> None:
         """Write the header, quarantine a non-finite worker, start the all-reduce of the buffer."""
