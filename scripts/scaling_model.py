@@ -132,7 +132,7 @@ def check_measured(path: str) -> None:
             continue
         probe, c = probes[block(r)], statistics.fmean(limits)
         bw = (probe["nominal_mbit"] or probe["achieved_mbit"]) * 1e6
-        method = {"ddp": "data_parallel", "diloco": "local_sgd"}.get(r["method"], r["method"])
+        method = {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2"}.get(r["method"], r["method"])
         predicted = step_time_s(method, c, r["params"], bw, r["nodes"], tau=r["tau"] or 1)
         comm = ring_allreduce_s(4 * r["params"], r["nodes"], bw)
         print(
