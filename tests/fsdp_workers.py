@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from workers import TinyNet, loss_on, make_optimizer, train_steps
+from workers import TinyNet, batch, loss_on, make_optimizer, train_steps
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core import worker_mesh
@@ -119,8 +119,10 @@ def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
     from co2_hf import CO2Trainer
 
     _env(rank, world)
-    # SGD: Adam would amplify the rounding noise of gradients that are ~0 (attention key biases)
-    k2 = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1)
+    # SGD: Adam would amplify the rounding noise of gradients that are ~0 (attention key biases).
+    # The eager start: live models differ from the anchor at every step, so an evaluation on the
+    # anchor that leaked into training would show.
+    k2 = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager")
     fsdp = dict(k2, fsdp="full_shard")
 
     replicated = CO2Trainer(model=tiny_gpt2(), args=make_args(f"{out}/replicated", **k2), train_dataset=dataset())
@@ -128,7 +130,7 @@ def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
 
     sharded = CO2Trainer(
         model=tiny_gpt2(),
-        args=make_args(f"{out}/fsdp", eval_strategy="steps", eval_steps=4, **fsdp),
+        args=make_args(f"{out}/fsdp", eval_strategy="steps", eval_steps=3, **fsdp),  # mid-round (tau 4)
         train_dataset=dataset(),
         eval_dataset=dataset(64, seed=1),
     )
@@ -200,3 +202,22 @@ def accelerate_fsdp_run(rank: int, world: int, out: str, *, save_at: int | None,
                     optimizer.state.clear()
                     accelerator.load_state(f"{out}/ckpt")
     return _whole_state(model)
+
+
+def evaluation_on_the_anchor(rank: int, world: int) -> dict:
+    """``anchor_in_place`` under FSDP2 (eager start: live models differ from the anchor): the
+    forward inside it is the anchor's, and forwards after it are the live model's again."""
+    model = sharded_tiny_net(2)
+    optimizer = make_optimizer(model, "sgd")
+    co2 = CO2(model, CO2Config(co2_worker_size=2, co2_local_steps=2, co2_start_rule="eager"), optimizer=optimizer)
+    train_steps(model, optimizer, co2, rank, 0, 5)  # mid-round, live != anchor
+    tokens, _ = batch(0, 99)
+    whole = TinyNet(seed=1, batchnorm=False)  # an unsharded copy to run the anchor on
+    whole.load_state_dict({k: v for k, v in full_anchor(co2, list(whole.state_dict())).items()})
+    with torch.no_grad():
+        live_before = model(tokens).clone()
+        with co2.anchor_in_place():
+            on_anchor = model(tokens).clone()
+        live_after = model(tokens).clone()
+        expected = whole.double()(tokens).float()
+    return {"live_before": live_before, "on_anchor": on_anchor, "live_after": live_after, "expected": expected}

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from distributed import run_processes
-from fsdp_workers import fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
+from fsdp_workers import evaluation_on_the_anchor, fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
 from workers import assert_same_anchors, reference_hierarchical
 
 K, STEPS = 2, 3 * 4 + 2
@@ -25,6 +25,7 @@ def _suite(rank: int, world: int, path: str) -> dict:
     resume_cfg = dict(co2_worker_size=K, co2_local_steps=4, co2_outer_momentum=0.5, co2_start_rule="eager")
     out["resume"] = fsdp_stop_and_resume(rank, world, resume_cfg, path)
     out["refusal"] = fsdp_over_every_process(rank, world)
+    out["evaluation"] = evaluation_on_the_anchor(rank, world)
     return out
 
 
@@ -69,6 +70,15 @@ def test_fsdp2_stop_mid_round_and_resume_is_bit_identical(four_ranks):
 
 
 @pytest.mark.timeout(200)
+def test_under_fsdp2_evaluation_sees_the_anchor_and_training_the_live_model_after_it(four_ranks):
+    for rank in range(4):
+        run = four_ranks[rank]["evaluation"]
+        torch.testing.assert_close(run["on_anchor"], run["expected"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(run["on_anchor"], run["live_before"], atol=1e-3)  # the test can tell
+        assert torch.equal(run["live_after"], run["live_before"])
+
+
+@pytest.mark.timeout(200)
 def test_fsdp2_across_workers_is_refused(four_ranks):
     for rank in range(4):
         message = four_ranks[rank]["refusal"]
@@ -104,8 +114,8 @@ def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes
             torch.testing.assert_close(run["fsdp"][key], value, rtol=1e-5, atol=1e-6, msg=f"{rank} {key}")
             assert torch.equal(run["resumed"][key], run["fsdp"][key]), (rank, key)
             assert torch.equal(run["fsdp"][key], runs[0]["fsdp"][key]), (rank, key)  # one anchor
-        # evaluations at steps 4, 8 and 12, then the one after training
-        assert len(run["evals"]) == 4 and run["eval_trained"] == pytest.approx(run["eval_loaded"], rel=1e-5)
+        # evaluations at steps 3, 6, 9 and 12, then the one after training
+        assert len(run["evals"]) == 5 and run["eval_trained"] == pytest.approx(run["eval_loaded"], rel=1e-5)
     assert runs[0]["losses"][-1] < runs[0]["losses"][0]
     checkpoint = tmp_path / "trainer" / "resume" / "checkpoint-6"
     assert sorted(p.name for p in checkpoint.glob("co2_rank*.pt")) == [f"co2_rank{r}.pt" for r in range(4)]

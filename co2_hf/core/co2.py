@@ -258,6 +258,7 @@ class CO2(CheckpointMixin):
             return
         saved = [segment.tensor.detach().clone() for segment in self.layout.segments]
         try:
+            _reshard_fsdp(self.model)  # FSDP2 must gather the shards anew, with the anchor in them
             with torch.no_grad():
                 for chunk, every_shard in zip(self.layout.chunks, self._chunks_of_every_shard):
                     for part, piece in zip(self._worker_parts(self._anchor[chunk.start : chunk.stop]), every_shard):
@@ -266,6 +267,9 @@ class CO2(CheckpointMixin):
         finally:
             with torch.no_grad():
                 torch._foreach_copy_([s.tensor for s in self.layout.segments], saved)
+            # a forward without backward leaves FSDP2's root unsharded, holding the anchor: drop it,
+            # so that training gathers the live shards again
+            _reshard_fsdp(self.model)
 
     def outer_state_nbytes(self) -> int:
         """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
@@ -605,6 +609,14 @@ def _scatter_live(chunk, src: Tensor, count: int) -> None:
 
 def _norm_sq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x).double().square().view(1)
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _has_dtensors(model: nn.Module) -> bool:
