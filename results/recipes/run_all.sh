@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# Every table of recipes/README.md's "Results on this machine", in the order it ran (about 2 hours
-# on 2 cores). Each compare_methods.py call writes <out>/runs.jsonl and <out>/curves.png.
+# Every table of recipes/README.md's "Results on this machine", in the order it ran (about an hour
+# on 2 cores, plus ~25 minutes for the 2000-step run). Each compare_methods.py call writes
+# <out>/runs.jsonl and <out>/curves.png.
 set -eu
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
-# GPT: the methods side by side
-$C --recipe gpt --max_steps 300 --seeds 0 1 2 --out results/recipes/gpt
-# ViT: data parallel, local SGD and CO2, then two attempts at CO2's gap
-$C --recipe vit --methods dp local_sgd co2 --seeds 0 1 2 --max_steps 250 --out results/recipes/vit
-$C --recipe vit --methods --seeds 0 1 2 --max_steps 250 --out results/recipes/vit_tuning \
-  --method "co2_window1=--co2_overlap_steps 1"
-$C --recipe vit --methods --seeds 0 1 2 --max_steps 250 --out results/recipes/vit_tuning2 \
-  --method "co2_syncwarm50=--co2_sync_warmup_steps 50"
-# GPT: staleness-penalty ablation ("off" is the co2 row of the GPT table)
-$C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out results/recipes/gpt_penalty \
+R=results/recipes
+# ViT: the methods and CO2's tuning (the recipe's CO2 is tau 4, outer momentum 0.2), 5 seeds
+$C --recipe vit --methods dp local_sgd co2 --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit \
+  --method "local_sgd_tau12=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 12" \
+  --method "co2_tau12_b0=--co2_local_steps 12 --co2_outer_momentum 0.0" \
+  --method "co2_tau4_b0=--co2_outer_momentum 0.0" \
+  --method "co2_tau2=--co2_local_steps 2"
+# GPT: the methods side by side, 3 seeds
+$C --recipe gpt --max_steps 300 --seeds 0 1 2 --out $R/gpt
+# GPT: bf16 on the wire (fp32 is the co2 row of the GPT table)
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_wire \
+  --method "co2_bf16_wire=--co2_comm_dtype bfloat16"
+# GPT: staleness-penalty ablation ("off" is the co2 row of the GPT table), seeds 0 and 1
+$C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out $R/gpt_penalty \
   --method "co2_gap_aware=--co2_gap_penalty 1.0 --co2_gap_penalty_mode gap_aware" \
-  --method "co2_constant=--co2_gap_penalty 1.0 --co2_gap_penalty_mode constant"
-# GPT: clipping ablation, 10x the inner lr for round 10 (steps 120-131); phi 2.0 is about 1.3x the
-# ||m|| of that round without a spike (1.6 in results/recipes/gpt/co2_seed0's log)
-$C --recipe gpt --methods --seeds 0 --max_steps 300 --out results/recipes/gpt_clip \
-  --plot_co2_metric co2/momentum_norm \
-  --method "no_spike=" \
-  --method "spike=--lr_spike_round 10" \
-  --method "spike_clip2=--lr_spike_round 10 --co2_clip_threshold 2.0" \
-  -- --logging_steps 12
-# GPT: the constant penalty at lambda 2 (at lambda 1 it is P = 1, the same update as off)
-$C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out results/recipes/gpt_penalty2 \
+  --method "co2_constant=--co2_gap_penalty 1.0 --co2_gap_penalty_mode constant" \
   --method "co2_constant_lam2=--co2_gap_penalty 2.0 --co2_gap_penalty_mode constant"
+# GPT: clipping ablation, 10x the inner lr for round 10 (steps 120-131)
+$C --recipe gpt --methods --seeds 0 --max_steps 300 --out $R/gpt_clip --plot_co2_metric co2/momentum_norm \
+  --method "no_spike=" --method "spike=--lr_spike_round 10" \
+  --method "spike_clip2=--lr_spike_round 10 --co2_clip_threshold 2.0" \
+  --method "spike_clip6=--lr_spike_round 10 --co2_clip_threshold 6.0" -- --logging_steps 12
+# GPT: a longer budget, one seed
+$C --recipe gpt --methods dp slowmo co2 --max_steps 2000 --seeds 0 --out $R/gpt_2000 -- --eval_steps 200
