@@ -116,9 +116,7 @@ def _take_over_fsdp2(args: CO2TrainingArguments) -> dict | None:
         return None
     config = _fsdp_config(args.fsdp_config)
     version = int(config.get("version", os.environ.get("FSDP_VERSION", 2)))
-    options = (
-        args.fsdp.split() if isinstance(args.fsdp, str) else list(args.fsdp or []) if args.fsdp is not True else []
-    )
+    options = _fsdp_options(args.fsdp)
     if version != 2:
         raise ValueError(
             f"FSDP version {version} is not supported with CO2: use FSDP2 inside each worker ({FSDP2_HINT}), "
@@ -143,6 +141,13 @@ def _take_over_fsdp2(args: CO2TrainingArguments) -> dict | None:
     args.fsdp, args.fsdp_config = None, None  # the Trainer's FSDP would shard across every process
     os.environ["ACCELERATE_USE_FSDP"] = "false"
     return take
+
+
+def _fsdp_options(fsdp: bool | str | list | None) -> list[str]:
+    """``--fsdp``'s option words ('full_shard offload', or a list); none for a plain ``--fsdp``."""
+    if isinstance(fsdp, str):
+        return fsdp.split()
+    return [str(option) for option in fsdp] if isinstance(fsdp, (list, tuple)) else []
 
 
 def _fsdp_config(config: dict | str | None) -> dict:
