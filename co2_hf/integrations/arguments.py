@@ -147,7 +147,7 @@ def _fsdp_options(fsdp: bool | str | list | None) -> list[str]:
     """``--fsdp``'s option words ('full_shard offload', or a list); none for a plain ``--fsdp``."""
     if isinstance(fsdp, str):
         return fsdp.split()
-    return [str(option) for option in fsdp] if isinstance(fsdp, (list, tuple)) else []
+    return [getattr(o, "value", o) for o in fsdp] if isinstance(fsdp, (list, tuple)) else []  # enum members too
 
 
 def _fsdp_config(config: dict | str | None) -> dict:
