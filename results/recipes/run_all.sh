@@ -6,12 +6,20 @@ set -eu
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
 R=results/recipes
-# ViT: the methods and CO2's tuning (the recipe's CO2 is tau 4, outer momentum 0.2), 5 seeds
+# ViT: the methods and CO2's tau (the recipe's CO2 is tau 2, outer momentum 0.2), 5 seeds
 $C --recipe vit --methods dp local_sgd co2 --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit \
+  --method "local_sgd_tau4=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 4" \
   --method "local_sgd_tau12=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 12" \
-  --method "co2_tau12_b0=--co2_local_steps 12 --co2_outer_momentum 0.0" \
-  --method "co2_tau4_b0=--co2_outer_momentum 0.0" \
-  --method "co2_tau2=--co2_local_steps 2"
+  --method "co2_tau4=--co2_local_steps 4" \
+  --method "co2_tau4_b0=--co2_local_steps 4 --co2_outer_momentum 0.0" \
+  --method "co2_tau12_b0=--co2_local_steps 12 --co2_outer_momentum 0.0"
+# ViT: other knobs at tau 4 (the eager weight, outer momentum 0.5, a synchronous warm-up)
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --port 29544 --out $R/vit_tuning \
+  --method "co2_w033=--co2_local_steps 4 --co2_eager_weight 0.33" \
+  --method "co2_w05=--co2_local_steps 4 --co2_eager_weight 0.5" \
+  --method "co2_tau2_w05=--co2_local_steps 2 --co2_eager_weight 0.5" \
+  --method "co2_b5=--co2_local_steps 4 --co2_outer_momentum 0.5" \
+  --method "co2_warm25=--co2_local_steps 4 --co2_sync_warmup_steps 25"
 # GPT: the methods side by side, 3 seeds
 $C --recipe gpt --max_steps 300 --seeds 0 1 2 --out $R/gpt
 # GPT: bf16 on the wire (fp32 is the co2 row of the GPT table)
