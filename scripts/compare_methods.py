@@ -9,6 +9,10 @@ flags; everything else (data order, seed, budget, extra flags after ``--``) is s
 line per run to ``<out>/runs.jsonl`` (final validation loss and perplexity or accuracy, tokens or
 samples per second, wall time) and ``<out>/curves.png``: validation metric against steps and against
 wall-clock time, one line per method, mean over seeds with the min-max band.
+
+The table and plots cover every run recorded in ``<out>/runs.jsonl``, so methods run in separate
+invocations into one folder end up side by side (a rerun of a method and seed replaces its earlier
+line); ``--plot_only`` redraws them without training.
 """
 
 from __future__ import annotations
@@ -176,6 +180,19 @@ def plot_co2_metric(runs: dict[str, list[Path]], key: str, path: Path, title: st
     plt.close(fig)
 
 
+def recorded_runs(out: Path) -> list[dict]:
+    """The runs of ``out/runs.jsonl`` whose output folder still exists, the last line of each
+    (method, seed) winning, in first-seen order of methods."""
+    path = out / "runs.jsonl"
+    latest: dict[tuple[str, int], dict] = {}
+    if path.exists():
+        for text in path.read_text().splitlines():
+            if text.strip():
+                line = json.loads(text)
+                latest[(line["method"], line["seed"])] = line
+    return [line for (method, seed), line in latest.items() if (out / f"{method}_seed{seed}").is_dir()]
+
+
 def table(lines: list[dict], metric: str) -> str:
     """Markdown: mean and standard deviation of the final metric per method, and the mean against
     SlowMo-style and data parallel when they ran."""
@@ -208,15 +225,16 @@ def main() -> None:
     parser.add_argument(
         "--plot_co2_metric", default=None, help="also plot this logged metric per run, e.g. co2/momentum_norm"
     )
+    parser.add_argument(
+        "--plot_only", action="store_true", help="no training: redraw the table and plots of --out's runs.jsonl"
+    )
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: flags for every run")
     args = parser.parse_args()
     args.recipe_args = [a for a in args.recipe_args if a != "--"]
     methods = parse_methods(args.methods, args.method)
     metric = "eval_accuracy" if args.recipe == "vit" else "eval_loss"
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[Path]] = {}
-    lines = []
-    for method, flags in methods.items():
+    for method, flags in ({} if args.plot_only else methods).items():
         for seed in args.seeds:
             output_dir = args.out / f"{method}_seed{seed}"
             launch(args, RECIPES[args.recipe], output_dir, flags, seed)
@@ -224,8 +242,12 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             with open(args.out / "runs.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
-            runs.setdefault(method, []).append(output_dir)
-            lines.append(line)
+    lines = recorded_runs(args.out)
+    if not lines:
+        raise SystemExit(f"no finished runs recorded in {args.out / 'runs.jsonl'}")
+    runs: dict[str, list[Path]] = {}
+    for line in lines:
+        runs.setdefault(line["method"], []).append(args.out / f"{line['method']}_seed{line['seed']}")
     title = f"{args.recipe.upper()} recipe, {args.nproc} workers, {args.max_steps} steps"
     plot(runs, metric, args.out / "curves.png", title)
     print(table(lines, metric))

@@ -111,6 +111,24 @@ def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
     assert rows[3] == "| CO2 (overlapped) | 1 | 5.1000 | nan | 1.020 |"
 
 
+@pytest.mark.timeout(20)
+def test_compare_methods_tables_every_recorded_run_with_the_latest_line_of_each(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import compare_methods
+
+    records = [
+        {"method": "dp", "seed": 0, "eval_loss": 5.0},
+        {"method": "co2", "seed": 0, "eval_loss": 9.0},  # replaced by the rerun below
+        {"method": "co2", "seed": 1, "eval_loss": 6.0},  # its folder is gone: not a run any more
+        {"method": "co2", "seed": 0, "eval_loss": 5.5},
+    ]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name in ("dp_seed0", "co2_seed0"):
+        (tmp_path / name).mkdir()
+    assert compare_methods.recorded_runs(tmp_path) == [records[0], records[3]]
+    assert compare_methods.recorded_runs(tmp_path / "missing") == []
+
+
 def _readme_commands(marker: str) -> list[list[str]]:
     """The paper-scale commands of recipes/README.md (one per line, after ``recipes/<script>``)."""
     text = (ROOT / "recipes/README.md").read_text().replace("\\\n", " ")
