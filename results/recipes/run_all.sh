@@ -1,39 +1,41 @@
 #!/usr/bin/env bash
-# Every table of recipes/README.md's "Results on this machine", in the order it ran (about an hour
-# on 2 cores, plus ~25 minutes for the 2000-step run). Each compare_methods.py call writes
+# Every table of recipes/README.md's "Results on this machine", in the order it ran (about 80 minutes
+# on 2 cores). Each compare_methods.py call appends to <out>/runs.jsonl and redraws <out>/curves.png.
 # <out>/runs.jsonl and <out>/curves.png.
 set -eu
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
 R=results/recipes
-# ViT: the methods and CO2's tau (the recipe's CO2 is tau 2, outer momentum 0.2), 5 seeds
-$C --recipe vit --methods dp local_sgd co2 --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit \
-  --method "local_sgd_tau4=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 4" \
-  --method "local_sgd_tau12=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 12" \
+# ViT: data parallel, local SGD and CO2 at tau 2, 4 and 12, 5 seeds (the recipe's CO2 is tau 2,
+# outer momentum 0.2; every other method names its tau)
+$C --recipe vit --methods dp --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit \
+  --method "local_sgd_tau4=--co2_overlap false --co2_outer_lr 1.0 --co2_outer_momentum 0.0 --co2_local_steps 4" \
   --method "co2_tau4=--co2_local_steps 4" \
+  --method "local_sgd_tau12=--co2_overlap false --co2_outer_momentum 0.0 --co2_local_steps 12" \
+  --method "co2_tau12_b0=--co2_local_steps 12 --co2_outer_momentum 0.0" \
   --method "co2_tau4_b0=--co2_local_steps 4 --co2_outer_momentum 0.0" \
-  --method "co2_tau12_b0=--co2_local_steps 12 --co2_outer_momentum 0.0"
-# ViT: other knobs at tau 4 (the eager weight, outer momentum 0.5, a synchronous warm-up)
+  --method "co2_tau2=--co2_local_steps 2"
+# ViT: other knobs (the eager weight; outer momentum 0.5 ran for seed 0 only)
 $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --port 29544 --out $R/vit_tuning \
   --method "co2_w033=--co2_local_steps 4 --co2_eager_weight 0.33" \
   --method "co2_w05=--co2_local_steps 4 --co2_eager_weight 0.5" \
-  --method "co2_tau2_w05=--co2_local_steps 2 --co2_eager_weight 0.5" \
-  --method "co2_b5=--co2_local_steps 4 --co2_outer_momentum 0.5" \
-  --method "co2_warm25=--co2_local_steps 4 --co2_sync_warmup_steps 25"
-# GPT: the methods side by side, 3 seeds
-$C --recipe gpt --max_steps 300 --seeds 0 1 2 --out $R/gpt
-# GPT: bf16 on the wire (fp32 is the co2 row of the GPT table)
-$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_wire \
+  --method "co2_tau2_w05=--co2_local_steps 2 --co2_eager_weight 0.5"
+$C --recipe vit --methods --max_steps 250 --seeds 0 --port 29544 --out $R/vit_tuning \
+  --method "co2_b5=--co2_local_steps 4 --co2_outer_momentum 0.5"
+# GPT: the methods side by side, 3 seeds (data parallel ran first, then the others into the same folder)
+$C --recipe gpt --methods dp --max_steps 300 --seeds 0 1 2 --out $R/gpt
+$C --recipe gpt --methods co2 local_sgd slowmo diloco --max_steps 300 --seeds 0 1 2 --out $R/gpt
+# GPT: bf16 on the wire against fp32, 3 seeds (ran before the recipes seeded their initial weights)
+$C --recipe gpt --methods co2 --max_steps 300 --seeds 0 1 2 --out $R/gpt_wire \
   --method "co2_bf16_wire=--co2_comm_dtype bfloat16"
-# GPT: staleness-penalty ablation ("off" is the co2 row of the GPT table), seeds 0 and 1
+# GPT: staleness-penalty ablation, seeds 0 and 1 (this and the clipping ablation ran before the
+# recipes seeded their initial weights; "off" is the co2 row of the GPT table at commit 63d7ed3)
 $C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out $R/gpt_penalty \
   --method "co2_gap_aware=--co2_gap_penalty 1.0 --co2_gap_penalty_mode gap_aware" \
-  --method "co2_constant=--co2_gap_penalty 1.0 --co2_gap_penalty_mode constant" \
+  --method "co2_constant=--co2_gap_penalty 1.0 --co2_gap_penalty_mode constant"
+$C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out $R/gpt_penalty2 \
   --method "co2_constant_lam2=--co2_gap_penalty 2.0 --co2_gap_penalty_mode constant"
 # GPT: clipping ablation, 10x the inner lr for round 10 (steps 120-131)
 $C --recipe gpt --methods --seeds 0 --max_steps 300 --out $R/gpt_clip --plot_co2_metric co2/momentum_norm \
   --method "no_spike=" --method "spike=--lr_spike_round 10" \
-  --method "spike_clip2=--lr_spike_round 10 --co2_clip_threshold 2.0" \
-  --method "spike_clip6=--lr_spike_round 10 --co2_clip_threshold 6.0" -- --logging_steps 12
-# GPT: a longer budget, one seed
-$C --recipe gpt --methods dp slowmo co2 --max_steps 2000 --seeds 0 --out $R/gpt_2000 -- --eval_steps 200
+  --method "spike_clip2=--lr_spike_round 10 --co2_clip_threshold 2.0" -- --logging_steps 12
