@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Every table of recipes/README.md's "Results on this machine", in the order it ran (about 80 minutes
 # on 2 cores). Each compare_methods.py call appends to <out>/runs.jsonl and redraws <out>/curves.png.
-# <out>/runs.jsonl and <out>/curves.png.
 set -eu
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
