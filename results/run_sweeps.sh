@@ -11,12 +11,8 @@ $S --steps 600 --seeds 0 --out results/screen_micro_600.jsonl --configs dp slowm
 # finalists, seeds 0-2 (seed 0 reruns the screening's runs bit for bit)
 $S --steps 600 --seeds 0 1 2 --configs dp local_sgd slowmo eager_b0 win2_eager_b0 --out results/finalists_micro_600.jsonl
 # tau 4 and 48, seed 0, 600 steps
-$S --steps 600 --seeds 0 --tau 4 --configs slowmo local_sgd eager_b0 --out results/screen_micro_600_tau4.jsonl
-$S --steps 600 --seeds 0 --tau 48 --configs slowmo local_sgd eager_b0 --out results/screen_micro_600_tau48.jsonl
-# outer lr, Nesterov, clipping and the constant penalty under the eager start; the eager weight gamma
-$S --steps 600 --seeds 0 --configs eager_b0_lr08 eager_b0_lr12 eager_b2_nesterov eager_b0_clip eager_b0_const2 \
-  --out results/screen_micro_600_b.jsonl
-$S --steps 600 --seeds 0 --configs eager_b0_w05 eager_b0_w02 --out results/screen_micro_600_gamma.jsonl
+$S --steps 600 --seeds 0 --tau 4 --configs slowmo eager_b0 --out results/screen_micro_600_tau4.jsonl
+$S --steps 600 --seeds 0 --tau 48 --configs slowmo eager_b0 --out results/screen_micro_600_tau48.jsonl
 # 2400 steps: SlowMo-style and the full-overlap finalist (3 seeds), data parallel (1 seed)
 $S --steps 2400 --eval_every 200 --seeds 0 1 2 --configs slowmo eager_b0 --out results/finalists_micro_2400.jsonl
 $S --steps 2400 --eval_every 200 --seeds 0 --configs dp --out results/finalists_micro_2400.jsonl
