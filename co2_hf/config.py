@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-START_RULES = ("anchor", "eager")
+START_RULES = ("anchor", "eager", "lookahead")
 PENALTY_MODES = ("gap_aware", "constant")
 COMM_DTYPES = ("float32", "bfloat16")
 STATE_DEVICES = ("same", "cpu")
@@ -48,10 +48,12 @@ class CO2Config:
         "the local models in place by the anchor's move (partial overlap: the all-reduce must hide "
         "behind k steps). Unset: at the next boundary, a full round of overlap (CO2).",
     )
-    co2_start_rule: Literal["anchor", "eager"] = _knob(
+    co2_start_rule: Literal["anchor", "eager", "lookahead"] = _knob(
         "anchor",
-        "Where a round starts: 'anchor' (every worker at the shared anchor) or 'eager' (the anchor "
-        "minus the worker's own last outer gradient, applied at once). Only matters with overlap.",
+        "Where a round starts: 'anchor' (every worker at the shared anchor), 'eager' (the anchor "
+        "minus the worker's own last outer gradient, applied at once) or 'lookahead' (where the "
+        "anchor will be once the in-flight average is applied, predicted with the worker's own "
+        "outer gradient through the outer momentum). Only matters with overlap.",
     )
     co2_eager_weight: float = _knob(
         1.0,
@@ -109,6 +111,11 @@ class CO2Config:
         _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
         gamma = self.co2_eager_weight
         _check("co2_eager_weight", gamma, _is_real(gamma) and 0 <= gamma <= 1, "a number in [0, 1]")
+        if gamma != 1 and self.co2_start_rule == "lookahead":
+            raise ValueError(
+                f"co2_eager_weight={gamma} is not allowed with co2_start_rule='lookahead' (it weighs the "
+                "'eager' start only): allowed value here is 1.0"
+            )
         lam = self.co2_gap_penalty
         _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
         phi = self.co2_clip_threshold

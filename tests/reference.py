@@ -96,6 +96,7 @@ class ReferenceCO2:
     def boundary(self) -> None:
         self.steps_in_round = 0
         eager = self.cfg.co2_overlap and self.cfg.co2_start_rule == "eager"
+        lookahead = self.cfg.co2_overlap and self.cfg.co2_start_rule == "lookahead"
         outer = []
         for i, model in enumerate(self.models):
             params, _ = synchronised(model)
@@ -115,12 +116,21 @@ class ReferenceCO2:
         if eager:  # start at a - gamma d - (1 - gamma) (the anchor's last move)
             gamma = self.cfg.co2_eager_weight
             self.own = [{n: gamma * d[n] + (1 - gamma) * (before[n] - self.anchor[n]) for n in d} for d in outer]
+        if lookahead:  # start where the anchor would be if the in-flight average were d
+            self.own = [{n: self.predicted_move(n, d[n]) for n in d} for d in outer]
         self.reset(buffers=received is not None)
         if self.cfg.co2_overlap_steps is not None:  # the next round starts where the reset put it
             self.start = [
                 {n: (self.anchor[n] - self.own[i][n]).clone() for n in self.anchor if n in self.own[i]}
                 for i in range(len(self.models))
             ]
+
+    def predicted_move(self, name: str, d: torch.Tensor) -> torch.Tensor:
+        """alpha times the step the next boundary applies when its average is d (no penalty, no clip)."""
+        beta = self.cfg.co2_outer_momentum
+        m = beta * self.momentum[name] + d
+        step = beta * m + d if self.cfg.co2_nesterov else m
+        return self.cfg.co2_outer_lr * step
 
     def finalize(self) -> None:
         if self.steps_in_round:

@@ -24,7 +24,7 @@ INVALID = [
     ("co2_overlap", None, "True or False"),
     ("co2_overlap_steps", 0, "integer >= 1 and < co2_local_steps"),
     ("co2_overlap_steps", 12, "must be < co2_local_steps"),
-    ("co2_start_rule", "latest", "'anchor', 'eager'"),
+    ("co2_start_rule", "latest", "'anchor', 'eager', 'lookahead'"),
     ("co2_eager_weight", 1.5, "a number in [0, 1]"),
     ("co2_gap_penalty", -1.0, ">= 0"),
     ("co2_gap_penalty", float("inf"), ">= 0"),
@@ -64,6 +64,12 @@ def test_check_world_needs_worker_size_to_divide_the_world():
     assert CO2Config(co2_worker_size=2).check_world(8) == 4
     with pytest.raises(ValueError, match=r"co2_worker_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"):
         CO2Config(co2_worker_size=3).check_world(8)
+
+
+def test_eager_weight_belongs_to_the_eager_start_only():
+    CO2Config(co2_start_rule="eager", co2_eager_weight=0.5)
+    with pytest.raises(ValueError, match=r"co2_eager_weight=0.5 is not allowed with co2_start_rule='lookahead'"):
+        CO2Config(co2_start_rule="lookahead", co2_eager_weight=0.5)
 
 
 def test_overlap_window_needs_overlap():

@@ -30,6 +30,10 @@ SCENARIOS = {
     "co2_eager_weight_nesterov_window": dict(
         co2_start_rule="eager", co2_eager_weight=0.5, co2_nesterov=True, co2_overlap_steps=1
     ),
+    "co2_lookahead": dict(co2_start_rule="lookahead", co2_outer_momentum=0.5, co2_outer_lr=0.8, co2_gap_penalty=1.0),
+    "co2_lookahead_nesterov_window_clip": dict(
+        co2_start_rule="lookahead", co2_nesterov=True, co2_overlap_steps=1, co2_clip_threshold=0.05
+    ),
     "co2_warmup_clip": dict(co2_sync_warmup_steps=4, co2_clip_threshold=0.05),
     "co2_window_anchor": dict(co2_overlap_steps=1, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
     "co2_window_eager": dict(co2_overlap_steps=2, co2_start_rule="eager", co2_nesterov=True),

@@ -66,3 +66,34 @@ def test_data_parallel_baseline_is_the_mean_gradient():
         optimizer.step()
     assert sim.final == _checksum(model, None)
     assert sim.final != _checksum(TinyNet(seed=0), None)
+
+
+def _final_anchor(workers: int, steps: int, **knobs) -> dict:
+    config = CO2Config(co2_local_steps=3, co2_gap_penalty=0.0, **knobs)
+    return train_simulated(workers=workers, config=config, task=_task(), steps=steps).engines[0].anchor_state()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])
+def test_lookahead_with_one_worker_predicts_exactly_and_equals_synchronous_slowmo(nesterov):
+    """With one worker the in-flight average is the worker's own outer gradient, so the lookahead
+    start is exactly where the anchor will be: overlapped CO2 then trains synchronous SlowMo's
+    trajectory, one round of staleness and all (docs/algorithm.md, section 7). Parameters only:
+    buffers (BatchNorm statistics) travel as values and still arrive one round late."""
+    knobs = dict(co2_outer_momentum=0.5, co2_outer_lr=0.8, co2_nesterov=nesterov)
+    lookahead = _final_anchor(1, STEPS, co2_start_rule="lookahead", **knobs)
+    synchronous = _final_anchor(1, STEPS, co2_overlap=False, **knobs)
+    eager = _final_anchor(1, STEPS, co2_start_rule="eager", **knobs)
+    params = [name for name, _ in TinyNet(seed=0).named_parameters()]
+    for key in params:
+        torch.testing.assert_close(lookahead[key], synchronous[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert any(not torch.allclose(eager[k], synchronous[k], rtol=1e-4, atol=1e-5) for k in params)
+
+
+@pytest.mark.timeout(60)
+def test_lookahead_without_momentum_at_outer_lr_one_is_the_eager_start():
+    knobs = dict(co2_outer_momentum=0.0, co2_outer_lr=1.0)
+    lookahead = _final_anchor(2, STEPS, co2_start_rule="lookahead", **knobs)
+    eager = _final_anchor(2, STEPS, co2_start_rule="eager", **knobs)
+    for key, value in eager.items():
+        assert torch.equal(lookahead[key], value), key

@@ -102,7 +102,7 @@ class CO2(CheckpointMixin):
         self._buf = torch.zeros(n + 1 + ROUND_BITS + self.num_workers, **zeros)
         wire_dtype = torch.bfloat16 if cfg.co2_comm_dtype == "bfloat16" else torch.float32
         self._wire = self._buf if wire_dtype == torch.float32 else self._buf.to(wire_dtype)
-        eager = cfg.co2_overlap and cfg.co2_start_rule == "eager"
+        eager = cfg.co2_overlap and cfg.co2_start_rule in ("eager", "lookahead")
         self._own = torch.zeros(self.layout.param_local, **zeros) if eager else None
         self._pending: Pending | None = None
         self._sent_round = 0  # the round whose outer gradients the pending all-reduce carries
@@ -454,24 +454,38 @@ class CO2(CheckpointMixin):
                 self._anchor[mid:hi].copy_(self._buf[mid:hi])
             if write:
                 if self._own is not None:  # eager: where the next round starts, relative to a
-                    self._own_offset(self._own[lo:mid], x[: mid - lo], v[lo:mid] if apply else None)
+                    self._own_offset(lo, mid, x[: mid - lo], v[lo:mid] if apply else None)
                 self._buf[lo:hi].copy_(x)
         if not write:
             return True
         finite = torch.isfinite(torch.stack(sums)).all() if sums else torch.ones((), dtype=torch.bool)
         return bool(self.comm.reduce_stats(finite.double().view(1).to(self.device)) >= self.comm.worker_size)
 
-    def _own_offset(self, own: Tensor, d: Tensor, v: Tensor | None) -> None:
-        """``own <- gamma * d + (1 - gamma) * alpha * v``: the next round starts at ``a - own``, with
-        ``d`` this worker's outer gradient just measured and ``alpha * v`` the anchor's move just
-        applied (none when nothing was applied). Reads ``v`` before the buffer is overwritten."""
-        gamma = self.config.co2_eager_weight
+    def _own_offset(self, lo: int, mid: int, d: Tensor, v: Tensor | None) -> None:
+        """Where the next round starts, as ``a - own``, from ``d`` (this worker's outer gradient just
+        measured) and ``alpha * v`` (the anchor's move just applied; None when none was):
+
+        - eager: ``own <- gamma * d + (1 - gamma) * alpha * v``;
+        - lookahead: ``own <- alpha * step(d)``, the move the next boundary would apply if the
+          in-flight average equalled ``d``: ``m' = beta * m + d`` and ``step = m'`` (Nesterov:
+          ``beta * m' + d``), with ``m`` the momentum just updated (penalty and clipping ignored).
+
+        Reads ``v`` before the buffer is overwritten."""
+        cfg, own = self.config, self._own[lo:mid]
+        if cfg.co2_start_rule == "lookahead":
+            beta = cfg.co2_outer_momentum
+            torch.add(d, self._momentum[lo:mid], alpha=beta, out=own)  # m'
+            if cfg.co2_nesterov:
+                own.mul_(beta).add_(d)
+            own.mul_(cfg.co2_outer_lr)
+            return
+        gamma = cfg.co2_eager_weight
         if gamma == 1.0:
             own.copy_(d)
             return
         torch.mul(d, gamma, out=own)
         if v is not None:
-            own.add_(v, alpha=(1.0 - gamma) * self.config.co2_outer_lr)
+            own.add_(v, alpha=(1.0 - gamma) * cfg.co2_outer_lr)
 
     def _launch(self, finite: bool) -> None:
         """Write the header, quarantine a non-finite worker, start the all-reduce of the buffer."""
