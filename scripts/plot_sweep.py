@@ -22,13 +22,14 @@ FAMILIES = {  # prefix -> family label; the best of each family is plotted
     "diloco": "DiLoCo-style (sync)",
     "co2_": "overlapped, anchor start",
     "eager": "overlapped, eager start",
+    "look": "overlapped, lookahead start (ours)",
     "win": "partial overlap window (ours)",
 }
 
 
 def family(config: str) -> str:
     for prefix, label in FAMILIES.items():
-        if config == prefix or (prefix.endswith("_") or prefix in ("eager", "win")) and config.startswith(prefix):
+        if config == prefix or (prefix.endswith("_") or prefix in ("eager", "look", "win")) and config.startswith(prefix):
             return label
     return config
 
