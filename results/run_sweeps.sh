@@ -16,3 +16,11 @@ $S --steps 600 --seeds 0 --tau 48 --configs slowmo eager_b0 --out results/screen
 # 2400 steps: SlowMo-style and the full-overlap finalist (3 seeds), data parallel (1 seed)
 $S --steps 2400 --eval_every 200 --seeds 0 1 2 --configs slowmo eager_b0 --out results/finalists_micro_2400.jsonl
 $S --steps 2400 --eval_every 200 --seeds 0 --configs dp --out results/finalists_micro_2400.jsonl
+# 2400 steps, seed 0: local SGD, the window and outer momentum 0.2 under the eager start
+$S --steps 2400 --eval_every 200 --seeds 0 --configs win2_eager_b0 eager local_sgd --out results/screen_micro_2400.jsonl
+# the lookahead start (docs/algorithm.md section 7): 600-step screen, 2400 steps with full overlap
+$S --steps 600 --seeds 0 --configs look_b5 look_b2 --out results/screen_micro_600_lookahead.jsonl
+$S --steps 2400 --eval_every 200 --seeds 0 1 --configs look_b5 --out results/finalists_micro_2400.jsonl
+# ... and with the window k = 2, 3 seeds at both budgets
+$S --steps 2400 --eval_every 200 --seeds 0 1 2 --configs win2_look_b5 --out results/screen_micro_2400.jsonl
+$S --steps 600 --seeds 0 1 2 --configs win2_look_b5 --out results/screen_micro_600_lookahead.jsonl

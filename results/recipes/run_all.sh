@@ -24,6 +24,9 @@ $C --recipe vit --methods --max_steps 250 --seeds 0 --port 29544 --out $R/vit_tu
 # GPT: the methods side by side, 3 seeds (data parallel ran first, then the others into the same folder)
 $C --recipe gpt --methods dp --max_steps 300 --seeds 0 1 2 --out $R/gpt
 $C --recipe gpt --methods co2 local_sgd slowmo diloco --max_steps 300 --seeds 0 1 2 --out $R/gpt
+# GPT: the lookahead start with outer momentum 0.5 and the window k = 2 (docs/choosing_settings.md)
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt \
+  --method "co2_win2_look_b5=--co2_start_rule lookahead --co2_outer_momentum 0.5 --co2_overlap_steps 2"
 # GPT: bf16 on the wire against fp32, 3 seeds (ran before the recipes seeded their initial weights)
 $C --recipe gpt --methods co2 --max_steps 300 --seeds 0 1 2 --out $R/gpt_wire \
   --method "co2_bf16_wire=--co2_comm_dtype bfloat16"
