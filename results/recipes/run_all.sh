@@ -41,5 +41,7 @@ $C --recipe gpt --methods --seeds 0 1 --max_steps 300 --out $R/gpt_penalty2 \
 $C --recipe gpt --methods --seeds 0 --max_steps 300 --out $R/gpt_clip --plot_co2_metric co2/momentum_norm \
   --method "no_spike=" --method "spike=--lr_spike_round 10" \
   --method "spike_clip2=--lr_spike_round 10 --co2_clip_threshold 2.0" -- --logging_steps 12
-# Not run yet: the GPT recipe at a budget of a few thousand steps, one seed (about 45 minutes alone)
-# $C --recipe gpt --methods dp slowmo co2 --max_steps 2000 --seeds 0 --out $R/gpt_2000 -- --eval_steps 200
+# GPT: a budget of 2000 steps, one seed (about 35 minutes on the idle machine)
+$C --recipe gpt --methods co2 dp slowmo --max_steps 2000 --seeds 0 --out $R/gpt_2000 -- --eval_steps 200
+$C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 \
+  --method "co2_win2_look_b5=--co2_start_rule lookahead --co2_outer_momentum 0.5 --co2_overlap_steps 2" -- --eval_steps 200
