@@ -180,6 +180,11 @@ def plot_co2_metric(runs: dict[str, list[Path]], key: str, path: Path, title: st
     plt.close(fig)
 
 
+def run_dir(out: Path, method: str, seed: int) -> Path:
+    """Where one run of a method and seed writes its model folder (and, beside it, its .log)."""
+    return out / f"{method}_seed{seed}"
+
+
 def recorded_runs(out: Path) -> list[dict]:
     """The runs of ``out/runs.jsonl`` whose output folder still exists, the last line of each
     (method, seed) winning, in first-seen order of methods."""
@@ -190,7 +195,7 @@ def recorded_runs(out: Path) -> list[dict]:
             if text.strip():
                 line = json.loads(text)
                 latest[(line["method"], line["seed"])] = line
-    return [line for (method, seed), line in latest.items() if (out / f"{method}_seed{seed}").is_dir()]
+    return [line for (method, seed), line in latest.items() if run_dir(out, method, seed).is_dir()]
 
 
 def table(lines: list[dict], metric: str) -> str:
@@ -236,7 +241,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for method, flags in ({} if args.plot_only else methods).items():
         for seed in args.seeds:
-            output_dir = args.out / f"{method}_seed{seed}"
+            output_dir = run_dir(args.out, method, seed)
             launch(args, RECIPES[args.recipe], output_dir, flags, seed)
             line = summarise(args.recipe, method, seed, output_dir)
             print(json.dumps(line), flush=True)
@@ -247,7 +252,7 @@ def main() -> None:
         raise SystemExit(f"no finished runs recorded in {args.out / 'runs.jsonl'}")
     runs: dict[str, list[Path]] = {}
     for line in lines:
-        runs.setdefault(line["method"], []).append(args.out / f"{line['method']}_seed{line['seed']}")
+        runs.setdefault(line["method"], []).append(run_dir(args.out, line["method"], line["seed"]))
     title = f"{args.recipe.upper()} recipe, {args.nproc} workers, {args.max_steps} steps"
     plot(runs, metric, args.out / "curves.png", title)
     print(table(lines, metric))

@@ -29,7 +29,7 @@ FAMILIES = {  # prefix -> family label; the best of each family is plotted
 
 def family(config: str) -> str:
     for prefix, label in FAMILIES.items():
-        if config == prefix or (prefix.endswith("_") or prefix in ("eager", "look", "win")) and config.startswith(prefix):
+        if config.startswith(prefix):
             return label
     return config
 
