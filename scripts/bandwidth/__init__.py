@@ -18,8 +18,8 @@ default group is NCCL and CO2's state lives on the GPU. All nodes are on this on
 block of N ranks needs N GPUs (refused before any rank starts otherwise). NCCL would see one host
 and join the ranks by P2P or shared memory, past the shaped link: each node gets its own
 NCCL_HOSTID and NCCL talks TCP (NCCL_NET=Socket) over the node's veth, which tc shapes; ranks of
-one node still use P2P. CO2's wait and launch-to-done times are taken on the host, which NCCL's
-queued launches make unreliable there (issue 13, item 1): trust step times and tokens/s on GPUs.
+one node still use P2P. Step times are taken after a device synchronisation; CO2's wait and
+launch-to-done times are the engine's own (``last_wait_s``, ``last_comm_s``: CUDA events on NCCL).
 
 Methods, one GPT-2 style model (``bench_overlap.py``'s config, 10.3M parameters; ``large`` is
 29.4M): ``ddp`` (torch DDP, AdamW, a gradient all-reduce every step), ``local_sgd`` and ``diloco``
