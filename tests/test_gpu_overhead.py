@@ -4,6 +4,7 @@ synthetic step times, and a CPU smoke run."""
 import statistics
 
 import pytest
+import torch
 
 from scripts import gpu_overhead
 
@@ -57,3 +58,13 @@ def test_smoke_run_on_the_cpu_reports_every_run(capsys):
     assert "# co2: " in out and " x plain (target <= 1.03: " in out
     with pytest.raises(SystemExit):
         gpu_overhead.main([*argv, "--rounds", "0"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_times_whole_rounds_with_gpu_and_host_state(capsys):
+    argv = ["--device", "cuda", "--model", "tiny", "--seq", "128", "--batch", "2", "--tau", "4", "--rounds", "2"]
+    lines = gpu_overhead.main([*argv, "--repeats", "1"])
+    assert [x["boundaries"] for x in lines] == [0, 2, 2, 2] and all(x["total_s"] > 0 for x in lines)
+    assert lines[3]["outer_state_bytes"] > 0  # co2_cpu_state: the state in host memory, trained on the GPU
+    assert "# co2_cpu_state: " in capsys.readouterr().out
