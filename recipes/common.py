@@ -159,8 +159,9 @@ def dataset_card_fields(name: str | None, config_name: str | None, files: list[s
     if name:
         shown = f"{name} {config_name}" if config_name else name
         return {"dataset_tags": name, "dataset_args": config_name, "dataset": shown}
-    local = [os.path.basename(f) for f in files if f]
-    return {"dataset": ", ".join(local) if local else default}
+    local = [f for f in files if f]
+    # no Hub tags: the Trainer would list its builder ("imagefolder", "text") as a Hub dataset
+    return {"dataset_tags": [], "dataset": ", ".join(local) if local else default}
 
 
 class LRSpike(TrainerCallback):
