@@ -76,18 +76,21 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "cap on validation images"})
 
 
+def digit_pixels(image: np.ndarray, image_size: int) -> np.ndarray:
+    """One digit (values 0..16) as the model sees it: upscaled to ``image_size``, 3 channels, in
+    [-1, 1]; what the saved ViTImageProcessor makes of the same digit given as an 8-bit picture."""
+    big = Image.fromarray((image * 255 / 16).astype(np.uint8)).resize((image_size, image_size), Image.BILINEAR)
+    return np.repeat(np.asarray(big, dtype=np.float32)[None] / 127.5 - 1.0, 3, axis=0)
+
+
 def digits_splits(image_size: int, seed: int = 0):
     """scikit-learn's digits, upscaled to ``image_size`` (3 channels, in [-1, 1]); stratified 80/20."""
     from datasets import Dataset
-    from PIL import Image
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    pixels = []
-    for image in digits.images:  # values 0..16
-        big = Image.fromarray((image * 255 / 16).astype(np.uint8)).resize((image_size, image_size), Image.BILINEAR)
-        pixels.append(np.repeat(np.asarray(big, dtype=np.float32)[None] / 127.5 - 1.0, 3, axis=0))
+    pixels = [digit_pixels(image, image_size) for image in digits.images]
     train_idx, val_idx = train_test_split(
         np.arange(len(pixels)), test_size=0.2, random_state=seed, stratify=digits.target
     )
