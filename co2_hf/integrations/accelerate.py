@@ -164,9 +164,7 @@ class CO2Accelerate:
         every rank calls it (with ``co2_worker_size > 1`` the anchor is gathered in the worker)."""
         accelerator = self.accelerator
         state = checkpoint.anchor_for_saving(self.co2) if self.co2 is not None else None
-        self.module.save_pretrained(
-            output_dir, is_main_process=accelerator.is_main_process, state_dict=state, save_function=accelerator.save
-        )
+        self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
         if accelerator.is_main_process:
             card = os.path.join(output_dir, "README.md")
             about = dict(base_model=base_model, dataset=dataset, license=license, pipeline_tag=pipeline_tag)
