@@ -51,8 +51,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.print(
-        f"{accelerator.num_processes} processes, co2_enabled={cfg.co2_enabled}, tau={cfg.co2_local_steps}, "
-        f"overlap={cfg.co2_overlap}"
+        f"{accelerator.num_processes} processes, tau={cfg.co2_local_steps}, overlap={cfg.co2_overlap}, "
+        f"co2_enabled={cfg.co2_enabled}"
     )
 
     with CO2Accelerate(accelerator, model, optimizer, config=cfg) as co2:
