@@ -320,13 +320,15 @@ def tokenize_and_group(raw, tokenizer, data: DataArguments, training_args):
 
     def tokenize(batch):
         texts = [t + tokenizer.eos_token for t in batch["text"]] if eos else batch["text"]
-        return tokenizer(texts, verbose=False)  # documents are longer than a block: no warning
+        # documents are longer than a block: no warning. The blocks are full, so an attention mask
+        # would be all ones: only the ids are kept
+        return {"input_ids": tokenizer(texts, verbose=False)["input_ids"]}
 
     def group(batch):
-        joined = {k: [i for seq in batch[k] for i in seq] for k in batch}
-        n = len(joined["input_ids"]) // block_size * block_size
-        blocks = {k: [v[i : i + block_size] for i in range(0, n, block_size)] for k, v in joined.items()}
-        return {**blocks, "labels": [list(b) for b in blocks["input_ids"]]}
+        ids = [i for seq in batch["input_ids"] for i in seq]
+        n = len(ids) // block_size * block_size
+        blocks = [ids[i : i + block_size] for i in range(0, n, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     columns = raw["train"].column_names or list(next(iter(raw["train"])).keys())
     workers = {} if data.streaming else {"num_proc": data.preprocessing_num_workers}
@@ -336,7 +338,7 @@ def tokenize_and_group(raw, tokenizer, data: DataArguments, training_args):
     context = training_args.main_process_first(desc="tokenizing") if cached else contextlib.nullcontext()
     with context:
         tokens = raw.map(tokenize, batched=True, remove_columns=columns, **workers)
-        return tokens.map(group, batched=True, **workers)
+        return tokens.map(group, batched=True, remove_columns=["input_ids"], **workers)
 
 
 def cap(dataset, n: int | None, *, streaming: bool):

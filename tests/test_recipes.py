@@ -306,11 +306,16 @@ def test_streaming_renames_the_text_column_and_a_missing_one_names_the_flag(tmp_
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"content": f"document {i}", "id": i}) + "\n" for i in range(5)))
     data = pretrain_gpt.DataArguments(
-        train_file=str(path), streaming=True, text_column="content", streaming_validation_documents=2
+        train_file=str(path), streaming=True, text_column="content", streaming_validation_documents=2, block_size=6
     )
     raw = pretrain_gpt.load_text(data)
     assert [row["text"] for row in raw["train"]] == ["document 2", "document 3", "document 4"]
     assert [row["text"] for row in raw["validation"]] == ["document 0", "document 1"]
+    tokenizer = pretrain_gpt.train_bpe(["document 0 1 2 3 4"] * 20, 270)
+    blocks = pretrain_gpt.tokenize_and_group(raw, tokenizer, data, _no_barrier())["train"]
+    first = next(iter(blocks))
+    assert set(first) == {"input_ids", "labels"} and len(first["input_ids"]) == data.block_size
+    assert tokenizer.decode(first["input_ids"]).startswith("document 2" + tokenizer.eos_token + "document 3")
     with pytest.raises(ValueError, match=r"--text_column='body'.*\['content', 'id'\]"):
         pretrain_gpt.load_text(pretrain_gpt.DataArguments(train_file=str(path), text_column="body"))
 
