@@ -4,8 +4,9 @@
     accelerate launch --config_file recipes/accelerate_configs/multi_gpu_1node.yaml recipes/accelerate_loop.py
 
 A small GPT-2 (built from a config) learns sequences from a fixed random Markov chain; each process
-reads its own stream. Every ``--co2_*`` flag is accepted. The final model (the anchor) is saved with
-``save_pretrained``.
+reads its own stream. Every ``--co2_*`` flag is accepted; ``--co2_enabled false`` runs the same
+loop as plain data parallel (CO2Accelerate is then a pass-through), the baseline. The final model
+(the anchor) is saved with ``co2.save_pretrained``: weights, ``co2_config.json`` and a model card.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class LoopArgs:
     batch_size: int = field(default=8, metadata={"help": "sequences per step and process"})
     seq_len: int = field(default=32, metadata={"help": "tokens per sequence"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
+    log_every: int = field(default=24, metadata={"help": "print the loss and CO2's metrics every N steps"})
     output_dir: str = field(default="outputs/accelerate_loop", metadata={"help": "where the model goes"})
 
 
@@ -48,7 +50,10 @@ def main() -> None:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.print(f"{accelerator.num_processes} processes, tau={cfg.co2_local_steps}, overlap={cfg.co2_overlap}")
+    accelerator.print(
+        f"{accelerator.num_processes} processes, tau={cfg.co2_local_steps}, overlap={cfg.co2_overlap}, "
+        f"co2_enabled={cfg.co2_enabled}"
+    )
 
     with CO2Accelerate(accelerator, model, optimizer, config=cfg) as co2:
         for step in range(args.max_steps):
@@ -59,11 +64,12 @@ def main() -> None:
             co2.average_gradients()  # inside a worker of co2_worker_size > 1; a no-op otherwise
             optimizer.step()
             optimizer.zero_grad()
-            if co2.step() and co2.co2.round % 2 == 0:
+            co2.step()  # a round boundary every tau steps; nothing when CO2 is off
+            if (step + 1) % args.log_every == 0:
                 stats = " ".join(f"{k[4:]}={v:.3g}" for k, v in co2.pop_metrics().items())
                 accelerator.print(f"step {step + 1}: loss {loss.item():.3f} | {stats}")
     # leaving the block finalized CO2: every process now holds the final anchor
-    accelerator.unwrap_model(model).save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    co2.save_pretrained(args.output_dir, dataset="a random Markov chain (recipes/accelerate_loop.py)")
     accelerator.print(f"final loss {loss.item():.3f}; model saved to {args.output_dir}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process groups on every rank before interpreter exit

@@ -1,13 +1,17 @@
-"""Pieces both recipes share: launch defaults, the loss plot, the results summary."""
+"""Pieces both recipes share: launch defaults, argument parsing, the loss plot, the results and
+the model card."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
 
 from transformers import TrainerCallback
+
+from co2_hf.integrations import model_card
 
 # What the recipes set when the command line does not: a short CPU-friendly run that evaluates
 # and logs often enough for a readable curve. Every one can be overridden by its flag.
@@ -20,14 +24,42 @@ TRAINING_DEFAULTS = dict(
     lr_scheduler_type="cosine",
     warmup_steps=20,
     seed=42,
-    disable_tqdm=True,
 )
+
+# the `evaluate` accuracy metric, from disk: evaluate.load("accuracy") would fetch it from the Hub
+METRIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "accuracy")
 
 # CO2's settings in the recipes, where they differ from CO2Config's (the SPEC's) defaults: the eager
 # start, no outer momentum, no gap penalty. In the staleness study (docs/choosing_settings.md) this
 # was the fully overlapped setting closest to the synchronous methods; the SPEC defaults (anchor
 # start, beta 0.2, gap-aware penalty) trailed SlowMo-style by ~13%. Every one is a flag.
 CO2_RECIPE_DEFAULTS = dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0)
+
+
+def training_defaults() -> dict:
+    """TRAINING_DEFAULTS plus the progress bar: shown in an interactive terminal, off when stderr
+    is a file or a pipe (CI logs, compare_methods.py), where a bar only adds carriage returns.
+    ``--disable_tqdm`` on the command line (or in the JSON file) overrides either way."""
+    return {**TRAINING_DEFAULTS, "disable_tqdm": not sys.stderr.isatty()}
+
+
+def parse_arguments(parser, defaults: dict, argv: list[str] | None):
+    """Like run_clm: flags, or a single ``.json`` file holding them. ``defaults`` (the recipe's
+    settings) apply to both; the file or the flags override them."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        with open(argv[0]) as f:
+            given = json.load(f)
+        # parse_dict builds the dataclasses from their own defaults, not the parser's: merge first
+        return parser.parse_dict({**defaults, **given})
+    parser.set_defaults(**defaults)
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def load_accuracy():
+    import evaluate
+
+    return evaluate.load(METRIC_DIR)
 
 
 def plot_curves(log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss") -> str:
@@ -67,19 +99,26 @@ def write_run_summary(output_dir: str, args, extra: dict) -> None:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)
 
 
-def train_and_report(trainer, *, start: float, per_step: dict, title: str, metric: str) -> dict:
-    """Train, save the model (the anchor) and the log history, evaluate, write all_results.json,
-    run_summary.json and the curve; ``per_step`` is e.g. ``{"tokens_per_step": n}``."""
+def train_and_report(trainer, *, start: float, per_step: dict, title: str, metric: str, card: dict) -> dict:
+    """run_clm's ending: train, save the model (the anchor), ``train_results.json`` and the trainer
+    state; evaluate the final model, ``eval_results.json``; ``all_results.json`` holds both. Then
+    the model card (``card``: ``create_model_card``'s arguments), run_summary.json and the curve;
+    ``per_step`` is e.g. ``{"tokens_per_step": n}``."""
     args = trainer.args
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
+    train_metrics = {**train_result.metrics, "n_parameters": sum(p.numel() for p in trainer.model.parameters())}
+    trainer.log_metrics("train", train_metrics)
+    trainer.save_metrics("train", train_metrics)
     trainer.save_state()  # trainer_state.json: the log history compare_methods.py reads
-    metrics = {**train_result.metrics, **trainer.evaluate()}
+    # after finalize: the anchor with every worker's last round applied (not the last in-training eval)
+    eval_metrics = trainer.evaluate()
     if metric == "eval_loss":
-        metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 50 else float("inf")
-    metrics["n_parameters"] = sum(p.numel() for p in trainer.model.parameters())
-    trainer.log_metrics("all", metrics)
-    trainer.save_metrics("all", metrics)
+        loss = eval_metrics["eval_loss"]
+        eval_metrics["perplexity"] = math.exp(loss) if loss < 50 else float("inf")
+    trainer.log_metrics("eval", eval_metrics)
+    trainer.save_metrics("eval", eval_metrics)
+    write_model_card(trainer, card)
     if trainer.is_world_process_zero():
         summary = {"world_size": args.world_size, "wall_time_s": time.time() - start, **per_step}
         summary["fsdp2_inside_workers"] = type(trainer.model).__name__.startswith("FSDP")
@@ -88,15 +127,41 @@ def train_and_report(trainer, *, start: float, per_step: dict, title: str, metri
             trainer.state.log_history, os.path.join(args.output_dir, "loss_curve.png"), title=title, metric=metric
         )
         print(
-            f"{metric} {metrics[metric]:.4f}"
-            + (f", perplexity {metrics['perplexity']:.1f}" if "perplexity" in metrics else "")
+            f"{metric} {eval_metrics[metric]:.4f}"
+            + (f", perplexity {eval_metrics['perplexity']:.1f}" if "perplexity" in eval_metrics else "")
         )
         print(f"model and metrics: {args.output_dir}; curves: {plot}")
     # Tear the process groups down on every rank together: left to interpreter exit, gloo's
     # threads can abort a rank that finishes first ("terminate called without an active exception").
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
-    return metrics
+    return {**train_metrics, **eval_metrics}
+
+
+def write_model_card(trainer, card: dict) -> None:
+    """The card, written after the final evaluation so that it reports that one. As run_clm does:
+    ``push_to_hub`` writes it and uploads, else ``create_model_card``; then the corrections the
+    Trainer's card needs (model_card.complete_card: "trained from scratch", pipeline_tag)."""
+    card = dict(card)
+    pipeline_tag = card.pop("pipeline_tag")
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub(**card)  # CO2Trainer's card goes through model_card.add_co2_section
+        return
+    trainer.create_model_card(**card)
+    if trainer.is_world_process_zero():
+        path = os.path.join(trainer.args.output_dir, "README.md")
+        model_card.complete_card(path, base_model=card.get("finetuned_from"), pipeline_tag=pipeline_tag)
+
+
+def dataset_card_fields(name: str | None, config_name: str | None, files: list[str | None], default: str) -> dict:
+    """``create_model_card``'s dataset arguments: a Hub dataset by id (listed in the card's
+    ``datasets`` metadata), local files by name, else the recipe's offline default."""
+    if name:
+        shown = f"{name} {config_name}" if config_name else name
+        return {"dataset_tags": name, "dataset_args": config_name, "dataset": shown}
+    local = [f for f in files if f]
+    # no Hub tags: the Trainer would list its builder ("imagefolder", "text") as a Hub dataset
+    return {"dataset_tags": [], "dataset": ", ".join(local) if local else default}
 
 
 class LRSpike(TrainerCallback):

@@ -45,6 +45,7 @@ def loop(rank: int, world: int, out: str, *, save_at: int | None = None, resume:
             co2.step()
             local_collectives.append(_default_group_seq() - before)
             if step + 1 == save_at:
+                co2.save_pretrained(out + "_pretrained")  # mid-round: the anchor, not this rank's model
                 co2.save_state(out)  # accelerator.save_state, published atomically
                 return {"wrapped": type(model).__name__}
     return {

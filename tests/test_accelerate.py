@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -63,6 +64,9 @@ def test_saved_model_file_is_the_anchor(runs):
     key = next(k for k in weights if k.endswith("wte.weight"))
     assert torch.equal(weights[key].reshape(-1), anchor[: weights[key].numel()])
     assert SAVE_AT == 6
+    pretrained = load_file(out + "_pretrained/model.safetensors")  # co2.save_pretrained, same step
+    assert pretrained.keys() == weights.keys() and all(torch.equal(pretrained[k], weights[k]) for k in weights)
+    assert os.path.exists(out + "_pretrained/co2_config.json") and os.path.exists(out + "_pretrained/README.md")
 
 
 @pytest.mark.timeout(60)
@@ -97,3 +101,104 @@ def test_training_arguments_use_the_cpu_when_launched_without_an_accelerator(mon
     args = SimpleNamespace(use_cpu=False)
     _use_cpu_without_accelerator(args)
     assert args.use_cpu is (not torch.accelerator.is_available())
+
+
+class _OneProcess:
+    """What CO2Accelerate uses of an Accelerator, for one process without process groups."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+    optimizer_step_was_skipped, scaler = False, None
+
+    def __init__(self):
+        from accelerate.utils import DistributedType
+
+        self.distributed_type = DistributedType.NO
+        self.hooks = []
+
+    def unwrap_model(self, model):
+        return model
+
+    def register_save_state_pre_hook(self, hook):
+        from types import SimpleNamespace
+
+        self.hooks.append(hook)
+        return SimpleNamespace(remove=lambda: self.hooks.remove(hook))
+
+    register_load_state_pre_hook = register_save_state_pre_hook
+
+    def register_for_checkpointing(self, obj):
+        pass
+
+    def wait_for_everyone(self):
+        pass
+
+
+def _one_step(model, optimizer, co2) -> None:
+    tokens = torch.arange(16)[None] % 64
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    co2.average_gradients()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["enabled=False", "co2_enabled=False"])
+def test_disabled_is_a_pass_through_for_the_baseline(tmp_path, how):
+    from trainer_workers import tiny_gpt2
+
+    from co2_hf import CO2Accelerate, CO2Config
+
+    accelerator, model = _OneProcess(), tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config, enabled = (CO2Config(), False) if how == "enabled=False" else (CO2Config(co2_enabled=False), True)
+    with CO2Accelerate(accelerator, model, optimizer, config=config, enabled=enabled) as co2:
+        for _ in range(3):
+            _one_step(model, optimizer, co2)
+            assert co2.step() is False and co2.pop_metrics() == {}
+        assert co2.anchor_state().keys() == model.state_dict().keys()
+    assert co2.co2 is None and accelerator.hooks == []  # no CO2 state, no checkpoint hooks
+    co2.save_pretrained(str(tmp_path), dataset="a test sequence")
+    assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "co2_config.json").exists()
+    assert "trained from scratch on a test sequence" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_one_process_warns_and_an_exception_skips_the_collective_finalize(tmp_path, caplog):
+    from huggingface_hub import ModelCard
+    from trainer_workers import tiny_gpt2
+
+    from co2_hf import CO2Accelerate, CO2Config
+
+    accelerator, model = _OneProcess(), tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        co2 = CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_local_steps=2))
+    assert "nobody to average with" in caplog.text
+    finalized = []
+    co2.co2.finalize = lambda: finalized.append(True)  # the collective that must not run
+    with pytest.raises(KeyError), caplog.at_level("WARNING", logger="co2_hf"):
+        with co2:
+            _one_step(model, optimizer, co2)
+            co2.step()
+            raise KeyError("a bug in the loop")
+    assert finalized == [] and "leaving on KeyError without finalize" in caplog.text
+    assert accelerator.hooks == []  # the hooks are removed all the same
+    co2.save_pretrained(str(tmp_path), base_model="openai-community/gpt2", license="mit")
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.base_model == "openai-community/gpt2" and card.data.license == "mit"
+    assert card.data.pipeline_tag == "text-generation" and card.data.co2["world_size"] == 1
+    assert json.loads((tmp_path / "co2_config.json").read_text())["co2_local_steps"] == 2
+
+
+@pytest.mark.timeout(90)
+def test_accelerate_loop_recipe_runs_the_baseline(tmp_path):
+    """recipes/accelerate_loop.py --co2_enabled false (it used to crash in CO2's constructor)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "recipes", "accelerate_loop.py")
+    flags = ["--co2_enabled", "false", "--max_steps", "2", "--log_every", "1", "--output_dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "co2_enabled=False" in done.stdout and "step 2: loss" in done.stdout
+    assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "co2_config.json").exists()

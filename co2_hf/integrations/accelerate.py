@@ -9,6 +9,18 @@
             optimizer.zero_grad()
             co2.step()                     # every tau steps: a round boundary
     # on exit: finalize, so the model is the final anchor
+    co2.save_pretrained("out", dataset="...")  # the anchor, co2_config.json and a model card
+
+``enabled=False`` (like LocalSGD's) makes the helper a pass-through: DDP synchronises every step,
+``step()`` returns False, nothing is saved besides Accelerate's own files; so one script runs the
+data-parallel baseline and CO2. ``CO2Config(co2_enabled=False)`` does the same.
+
+On an exception the block does not finalize. ``finalize`` is collective (it waits for the in-flight
+all-reduce and averages the last partial round); after an error on one rank its peers are gone or
+still training, so it would block until ``co2_timeout_s`` and hide the error, or pair with a peer's
+next boundary and average the wrong rounds. The model then holds this rank's local weights, not
+the anchor (a WARNING says so): resume from the last ``save_state``. Call ``co2.finalize()`` in an
+``except`` yourself if every rank is known to take the same path.
 
 Inside the ``with`` block the DDP wrapper (if any) is kept in ``no_sync``, so no collective crosses
 workers during local steps (DDP also skips its buffer broadcast then); during
@@ -28,6 +40,7 @@ gradients). Checkpoints then hold each rank's own shards; the model file is the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import OrderedDict
 from typing import Any
@@ -36,20 +49,49 @@ import torch
 
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint
+from . import checkpoint, model_card
+
+logger = logging.getLogger(__name__)
 
 
 class CO2Accelerate:
-    """CO2 around an Accelerate-prepared model and optimizer; see the module docstring."""
+    """CO2 around an Accelerate-prepared model and optimizer; see the module docstring.
 
-    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, *, config: CO2Config | None = None):
+    ``enabled=False`` (or ``config.co2_enabled`` False): a pass-through, plain data parallel.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        *,
+        config: CO2Config | None = None,
+        enabled: bool = True,
+    ):
         self.config = config if config is not None else CO2Config()
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        _check_launch(accelerator, self.config)
         self.module = accelerator.unwrap_model(model)
+        self.enabled = enabled and self.config.co2_enabled
+        self.co2: CO2 | None = None
+        self._hooks: list = []
+        self._no_sync = contextlib.ExitStack()
+        if self.enabled:
+            self._start(accelerator, optimizer)
+        else:  # the baseline too must not run as independent replicas
+            _check_replicas(accelerator)
+
+    def _start(self, accelerator: Any, optimizer: Any) -> None:
+        _check_launch(accelerator, self.config)
+        if accelerator.num_processes == 1:
+            logger.warning(
+                "CO2Accelerate: one process, nobody to average with: CO2 runs as a single worker and "
+                "averages nothing (the outer step only delays its own updates). Launch 2+ processes "
+                "(e.g. accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml) or "
+                "pass enabled=False"
+            )
         inner = getattr(optimizer, "optimizer", optimizer)
         self.co2 = CO2(self.module, self.config, optimizer=inner)
-        self._no_sync = contextlib.ExitStack()
         self._load_dir: str | None = None
         self._skipped_loads: _SkippedLoads | None = None
         self._hooks = [
@@ -59,7 +101,7 @@ class CO2Accelerate:
         accelerator.register_for_checkpointing(_RankStateRestorer(self))
 
     def __enter__(self) -> CO2Accelerate:
-        if not self.co2.in_warmup:
+        if self.co2 is not None and not self.co2.in_warmup:
             self._stop_gradient_sync()
         return self
 
@@ -67,11 +109,21 @@ class CO2Accelerate:
         self._no_sync.close()
         for hook in self._hooks:
             hook.remove()
+        if self.co2 is None:
+            return
         if exc_type is None:
             self.co2.finalize()
+        else:  # not collective after an error: see the module docstring
+            logger.warning(
+                "CO2Accelerate: leaving on %s without finalize (a collective its peers may never join): "
+                "the model holds this rank's local weights, not the anchor; resume from the last save_state",
+                exc_type.__name__,
+            )
 
     def step(self) -> bool:
         """Call after every optimizer step (skipped by AMP or not); True when a boundary ran."""
+        if self.co2 is None:
+            return False
         was_warming_up = self.co2.in_warmup
         boundary = self.co2.step(skipped=bool(self.accelerator.optimizer_step_was_skipped))
         if was_warming_up and not self.co2.in_warmup:
@@ -82,21 +134,54 @@ class CO2Accelerate:
         """Call between ``backward`` and the optimizer step when ``co2_worker_size > 1`` (it averages
         gradients over the processes of the worker) or when the model is not wrapped in DDP
         (during the warm-up, over every process); a no-op otherwise."""
+        if self.co2 is None:  # data parallel: DDP averages in backward
+            return
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         if not (ddp and self.co2.in_warmup):  # DDP itself synchronises during the warm-up
             self.co2.average_gradients()
 
     def anchor_state(self) -> dict[str, torch.Tensor]:
         """The shared model's state dict, for evaluation with ``torch.func.functional_call``."""
+        if self.co2 is None:  # data parallel: the live model is the shared one
+            return self.module.state_dict()
         return self.co2.anchor_state()
 
     def pop_metrics(self) -> dict[str, float]:
-        return self.co2.pop_metrics()
+        return {} if self.co2 is None else self.co2.pop_metrics()
+
+    def save_pretrained(
+        self,
+        output_dir: str,
+        *,
+        base_model: str | None = None,
+        dataset: str | None = None,
+        license: str | None = None,
+        pipeline_tag: str | None = None,
+    ) -> None:
+        """``save_pretrained`` of the anchor (the model all workers share, also mid-training), with
+        ``co2_config.json`` and a model card: ``base_model`` (None: trained from scratch),
+        ``dataset``, ``license``, ``pipeline_tag`` (None: from the model's class). Collective:
+        every rank calls it (with ``co2_worker_size > 1`` the anchor is gathered in the worker)."""
+        accelerator = self.accelerator
+        state = checkpoint.anchor_for_saving(self.co2) if self.co2 is not None else None
+        self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
+        if accelerator.is_main_process:
+            card = os.path.join(output_dir, "README.md")
+            about = dict(base_model=base_model, dataset=dataset, license=license, pipeline_tag=pipeline_tag)
+            model_card.write_card(card, **about)
+            if self.co2 is not None:
+                world = accelerator.num_processes
+                checkpoint.write_co2_config(output_dir, self.config, world_size=world)
+                model_card.add_co2_section(card, self.config, world_size=world)
+        accelerator.wait_for_everyone()
 
     def save_state(self, output_dir: str, **kwargs: Any) -> None:
         """``accelerator.save_state(output_dir)``, made atomic: written into a staging folder and
         renamed to ``output_dir`` only once every rank's files are there (``checkpoint.publish``).
-        Collective: every rank calls it."""
+        Collective: every rank calls it. Disabled: ``accelerator.save_state`` as it is."""
+        if self.co2 is None:
+            self.accelerator.save_state(output_dir, **kwargs)
+            return
         accelerator, project = self.accelerator, self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             raise ValueError(
@@ -194,13 +279,7 @@ def _strip(key: str, anchor: dict) -> str:
 
 
 def _check_launch(accelerator: Any, config: CO2Config) -> None:
-    expected = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes != expected:
-        raise RuntimeError(
-            f"WORLD_SIZE={expected} but the Accelerator sees {accelerator.num_processes} process(es): "
-            "every process would train alone. On a machine without GPUs create it as "
-            "Accelerator(cpu=True)."
-        )
+    _check_replicas(accelerator)
     if accelerator.distributed_type.value in ("DEEPSPEED", "FSDP", "MEGATRON_LM"):
         raise ValueError(
             f"CO2Accelerate does not support Accelerate's {accelerator.distributed_type.value}: it shards "
@@ -209,3 +288,13 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
             "mesh=co2_hf.core.worker_mesh(k)), then accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
+
+
+def _check_replicas(accelerator: Any) -> None:
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != expected:
+        raise RuntimeError(
+            f"WORLD_SIZE={expected} but the Accelerator sees {accelerator.num_processes} process(es): "
+            "every process would train alone. On a machine without GPUs create it as "
+            "Accelerator(cpu=True)."
+        )

@@ -1,8 +1,11 @@
-"""The CO2 part of a model card: tags, hyperparameters, world size and the paper's citation."""
+"""The CO2 part of a model card: tags, hyperparameters, world size and the paper's citation; and
+the corrections the Trainer's draft card needs (`complete_card`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 from ..config import CO2Config
 
@@ -18,14 +21,81 @@ CITATION = """@inproceedings{sun2024co2,
 }"""
 
 
-def add_co2_section(card_path: str, config: CO2Config, *, world_size: int) -> None:
-    """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``."""
+# the sentence transformers' card writes for a model built from a config (its _name_or_path is "")
+_EMPTY_BASE = re.compile(r"This model is a fine-tuned version of \[\]\(https://huggingface\.co/\) on ")
+
+
+def _load(card_path: str):
     from huggingface_hub import ModelCard
 
     if os.path.exists(card_path):
-        card = ModelCard.load(card_path)
-    else:
-        card = ModelCard("---\nlibrary_name: transformers\n---\n")
+        return ModelCard.load(card_path)
+    return ModelCard("---\nlibrary_name: transformers\n---\n")
+
+
+def complete_card(card_path: str, *, base_model: str | None = None, pipeline_tag: str | None = None) -> None:
+    """Fix what ``Trainer.create_model_card`` leaves wrong or out, in the card at ``card_path``:
+
+    - a model trained from scratch is "fine-tuned version of [](https://huggingface.co/)" there:
+      it says "trained from scratch" instead;
+    - a base model that is a local folder is named in the text, but is not a Hub id, so it leaves
+      the ``base_model`` metadata (the Hub rejects it);
+    - ``pipeline_tag`` (the task the Hub's widget and ``pipeline()`` use): given, or found from
+      ``config.json``'s architecture beside the card.
+    """
+    card = _load(card_path)
+    card.text = _EMPTY_BASE.sub("This model was trained from scratch on ", card.text)
+    if base_model and os.path.isdir(base_model):
+        card.text = card.text.replace(f"[{base_model}](https://huggingface.co/{base_model})", f"`{base_model}`")
+        card.data.base_model = None
+    tag = pipeline_tag or _task_of(os.path.join(os.path.dirname(card_path) or ".", "config.json"))
+    if tag and not card.data.get("pipeline_tag"):
+        card.data.pipeline_tag = tag
+    card.save(card_path)
+
+
+def write_card(
+    card_path: str,
+    *,
+    base_model: str | None = None,
+    dataset: str | None = None,
+    license: str | None = None,
+    pipeline_tag: str | None = None,
+) -> None:
+    """A short card for a model saved outside the Trainer (``CO2Accelerate.save_pretrained``):
+    what it was trained from and on; `add_co2_section` adds the CO2 part."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    hub_base = base_model if base_model and not os.path.isdir(base_model) else None
+    data = ModelCardData(library_name="transformers", license=license, base_model=hub_base, pipeline_tag=pipeline_tag)
+    origin = f"a fine-tuned version of `{base_model}`" if base_model else "trained from scratch"
+    name = os.path.basename(os.path.dirname(os.path.abspath(card_path)))
+    text = f"---\n{data.to_yaml()}\n---\n\n# {name}\n\nThis model is {origin} on {dataset or 'an unknown dataset'}.\n"
+    card = ModelCard(text)
+    if pipeline_tag is None:
+        card.data.pipeline_tag = _task_of(os.path.join(os.path.dirname(card_path) or ".", "config.json"))
+    card.save(card_path)
+
+
+def _task_of(config_path: str) -> str | None:
+    """The pipeline task of the model class named in ``config.json`` (transformers' own table)."""
+    if not os.path.exists(config_path):
+        return None
+    from transformers.modelcard import TASK_MAPPING
+
+    with open(config_path) as f:
+        architectures = json.load(f).get("architectures") or []
+    for task, mapping in TASK_MAPPING.items():
+        names = {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
+        if any(a in names for a in architectures):
+            return task
+    return None
+
+
+def add_co2_section(card_path: str, config: CO2Config, *, world_size: int) -> None:
+    """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``."""
+    complete_card(card_path)
+    card = _load(card_path)
     tags = list(card.data.tags or [])
     card.data.tags = tags + [t for t in TAGS if t not in tags]
     settings = config.co2_dict()
