@@ -82,11 +82,11 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
             workers = self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
-        if self.ddp_timeout is None:
-            self.ddp_timeout = math.ceil(self.co2_timeout_s) if self.co2_enabled else TRAINER_DDP_TIMEOUT
-            follows = self.co2_enabled
-        else:
-            follows = False
+        follows = self.co2_enabled and not _ddp_timeout_given(self)
+        if follows:
+            self.ddp_timeout = math.ceil(self.co2_timeout_s)
+        elif self.ddp_timeout is None:
+            self.ddp_timeout = TRAINER_DDP_TIMEOUT
         super().__post_init__()  # cooperative: an SFTConfig (or other) base runs its own checks too
         if not self.co2_enabled:
             return
@@ -114,6 +114,16 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
                 "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
                 stacklevel=2,
             )
+
+
+def _ddp_timeout_given(args: CO2TrainingArguments) -> bool:
+    """Whether the user set ``ddp_timeout``. Mixed in after another TrainingArguments subclass
+    (``class C(SFTConfig, CO2TrainingArguments)``), that class's copy of the field, default 1800,
+    wins over ours (None): there the Trainer's default value counts as not set."""
+    if args.ddp_timeout is None:
+        return False
+    shadowed = type(args).__dataclass_fields__["ddp_timeout"].default == TRAINER_DDP_TIMEOUT
+    return not (shadowed and args.ddp_timeout == TRAINER_DDP_TIMEOUT)
 
 
 def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
