@@ -260,37 +260,52 @@ class CO2Trainer(Trainer):
         manifest and renames the folder. Only then do the Trainer's rotation and push run, on the
         published folder: rotation never deletes a good checkpoint for one that is not complete, and
         the background upload never reads a folder about to be renamed.
+
+        Why not let the Trainer write ``checkpoint-N`` in place, with the manifest as its commit mark
+        written after ``super()``? Because the Trainer pushes and rotates at the end of its own
+        ``_save_checkpoint``, before any point where CO2's files could follow: the push would upload,
+        and rotation (``save_total_limit=1``: deleting the last good checkpoint) would count, a folder
+        without its manifest, and ``get_last_checkpoint`` (``resume_from_checkpoint=True``) would pick
+        a save killed halfway. Staged, an incomplete save is simply not a ``checkpoint-*`` folder.
         """
         if self.co2_config is None:
             return super()._save_checkpoint(model, trial)
         args = self.args
         run_dir = self._get_output_dir(trial)
-        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
         # with per-node disks (save_on_each_node) each node's local rank 0 publishes its own copy
         leader = args.process_index - args.local_process_index if args.save_on_each_node else 0
         staging = checkpoint.begin_save(final, is_leader=args.process_index == leader)
         with self._saving_into(os.path.dirname(staging)):
             super()._save_checkpoint(model, trial)
-        if self.co2 is not None and not args.save_only_model:
+        self._save_rank_file(staging)
+        self._point_best_checkpoint_at(staging, final)
+        step, rank = self.state.global_step, args.process_index
+        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
+        self._rotate_and_push(run_dir, final)
+
+    def _save_rank_file(self, staging: str) -> None:
+        if self.co2 is not None and not self.args.save_only_model:
             checkpoint.save_rank_state(
                 staging,
-                args.process_index,
+                self.args.process_index,
                 co2=self.co2,
                 model=self.model,
                 optimizer=self._inner_optimizer(),
                 scaler=getattr(self.accelerator, "scaler", None),
             )
-        self._point_best_checkpoint_at(staging, final)
-        step, rank = self.state.global_step, args.process_index
-        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
-        if args.should_save:  # the Trainer's own rotation, now over the published folders
+
+    def _rotate_and_push(self, run_dir: str, final: str) -> None:
+        """What the Trainer's ``_save_checkpoint`` ends with, the same calls, on the published folder
+        (inside the staging area its rotation saw one folder, and its push was held)."""
+        if self.args.should_save:
             rotate_checkpoints(
                 output_dir=run_dir,
-                save_total_limit=args.save_total_limit,
+                save_total_limit=self.args.save_total_limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
-        if args.push_to_hub:
+        if self.args.push_to_hub:
             self._push_from_checkpoint(final)
 
     def _get_output_dir(self, trial) -> str:
