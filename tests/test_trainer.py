@@ -254,6 +254,9 @@ def test_settings_changed_behind_the_users_back_are_warned_once_with_why(tmp_pat
     with caplog.at_level("WARNING", logger="co2_hf"):
         make_args(str(tmp_path), ddp_timeout=60, co2_enabled=False)
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    with caplog.at_level("WARNING", logger="co2_hf"):  # dispatch_batches unset -> False matters for these
+        CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path)), train_dataset=dataset(16).to_iterable_dataset())
+    assert "the iterable train dataset is not dispatched from rank 0" in caplog.text
 
 
 @pytest.mark.timeout(120)

@@ -131,7 +131,10 @@ def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
     set up one independent process each (world size 1): every replica would train alone."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not args.use_cpu and not torch.accelerator.is_available():
-        logger.warning("no GPU or other accelerator found: training on the CPU (use_cpu=True)")
+        logger.warning(
+            "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
+            "set up each launched process as an independent run of its own (world size 1)"
+        )
         args.use_cpu = True
 
 

@@ -93,6 +93,18 @@ class CO2Trainer(Trainer):
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
             self.add_callback(_CO2StepCallback(self))
             _follow_ddp_timeout(self.args)
+            self._warn_iterable_not_dispatched()
+
+    def _warn_iterable_not_dispatched(self) -> None:
+        """CO2TrainingArguments sets ``dispatch_batches`` to False; unset, Accelerate would have
+        dispatched an iterable dataset's batches from rank 0 (a broadcast at every step)."""
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.is_world_process_zero():
+            logger.warning(
+                "CO2: the iterable train dataset is not dispatched from rank 0 (accelerator_config.dispatch_batches="
+                "False: dispatching broadcasts every batch at every step); each process iterates it and keeps its "
+                "own share of the batches. Shard the stream per process (datasets.distributed.split_dataset_by_node) "
+                "so that each reads only its part."
+            )
 
     # ------------------------------------------------------------------ training
 
