@@ -91,29 +91,48 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         if not self.co2_enabled:
             return
         refuse_data_parallel(self)
-        warn = logger.warning if self.process_index == 0 else logger.info  # once per run, not per rank
-        if follows:
-            warn(
-                f"CO2: ddp_timeout not set, so it follows co2_timeout_s: {self.ddp_timeout} s instead of the "
-                f"Trainer's {TRAINER_DDP_TIMEOUT} s, so that a rank blocked behind a dead peer in the default "
-                "group (the loss gather at logging steps, save barriers) stops as soon as CO2's own wait does. "
-                "Pass --ddp_timeout to choose."
-            )
-        _turn_off_per_step_collectives(self, warn)
-        _warn_ddp_flags(self, warn)
-        if workers == 1:
-            warn(
-                f"CO2 with a single worker ({self.world_size} process(es), co2_worker_size={self.co2_worker_size}): "
-                "there is nobody to average with, so the outer step only replays this worker's own progress. "
-                "Launch several processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N), "
-                "or pass --co2_enabled false."
-            )
-        if self.hub_strategy == "checkpoint":
-            warnings.warn(
-                "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
-                "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
-                stacklevel=2,
-            )
+        off = _turn_off_per_step_collectives(self)
+        _warn_changed_settings(self, ddp_timeout_followed=follows, token_average_off=off, workers=workers)
+
+
+def _warn_changed_settings(
+    args: CO2TrainingArguments, *, ddp_timeout_followed: bool, token_average_off: bool, workers: int
+) -> None:
+    """What CO2 changed or made useless, at WARNING once (rank 0; the other ranks at INFO), with why."""
+    warn = logger.warning if args.process_index == 0 else logger.info
+    if ddp_timeout_followed:
+        warn(
+            f"CO2: ddp_timeout not set, so it follows co2_timeout_s: {args.ddp_timeout} s instead of the "
+            f"Trainer's {TRAINER_DDP_TIMEOUT} s, so that a rank blocked behind a dead peer in the default "
+            "group (the loss gather at logging steps, save barriers) stops as soon as CO2's own wait does. "
+            "Pass --ddp_timeout to choose."
+        )
+    if token_average_off:
+        warn(
+            "CO2: average_tokens_across_devices turned off: it all-gathers the token count across every "
+            "process at every step, a collective over the slow link that CO2 exists to avoid; each "
+            "process normalises its loss by its own token count"
+        )
+    given = {name: getattr(args, name) for name in DDP_FLAGS if getattr(args, name, None) is not None}
+    if given:
+        warn(
+            f"CO2: {', '.join(f'{k}={v!r}' for k, v in given.items())} ha{'s' if len(given) == 1 else 've'} no "
+            "effect: CO2 does not wrap the model in DistributedDataParallel (workers train alone between "
+            "round boundaries, and CO2 averages the gradients itself during co2_sync_warmup_steps)"
+        )
+    if workers == 1:
+        warn(
+            f"CO2 with a single worker ({args.world_size} process(es), co2_worker_size={args.co2_worker_size}): "
+            "there is nobody to average with, so the outer step only replays this worker's own progress. "
+            "Launch several processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N), "
+            "or pass --co2_enabled false."
+        )
+    if args.hub_strategy == "checkpoint":
+        warnings.warn(
+            "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
+            "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
+            stacklevel=4,
+        )
 
 
 def _ddp_timeout_given(args: CO2TrainingArguments) -> bool:
@@ -240,27 +259,14 @@ def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
     args.accelerator_config = config
 
 
-def _turn_off_per_step_collectives(args: CO2TrainingArguments, warn) -> None:
-    if args.average_tokens_across_devices:
-        warn(
-            "CO2: average_tokens_across_devices turned off: it all-gathers the token count across every "
-            "process at every step, a collective over the slow link that CO2 exists to avoid; each "
-            "process normalises its loss by its own token count"
-        )
-        args.average_tokens_across_devices = False
+def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> bool:
+    """``average_tokens_across_devices`` gathers at every step: off. Whether it was on."""
+    was_on = bool(args.average_tokens_across_devices)
+    args.average_tokens_across_devices = False
+    return was_on
 
 
 DDP_FLAGS = ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph")
-
-
-def _warn_ddp_flags(args: CO2TrainingArguments, warn) -> None:
-    given = {name: getattr(args, name) for name in DDP_FLAGS if getattr(args, name, None) is not None}
-    if given:
-        warn(
-            f"CO2: {', '.join(f'{k}={v!r}' for k, v in given.items())} ha{'s' if len(given) == 1 else 've'} no "
-            "effect: CO2 does not wrap the model in DistributedDataParallel (workers train alone between "
-            "round boundaries, and CO2 averages the gradients itself during co2_sync_warmup_steps)"
-        )
 
 
 def refuse_data_parallel(args) -> None:
