@@ -1,5 +1,13 @@
-"""Helpers for tests, benchmarks and demos: local gloo process launching, a recording fake
-communicator and a slow-link wrapper.
+"""Test helpers for code built on CO2, yours included: local gloo process launching, a recording
+fake communicator and a slow-link wrapper.
+
+Why this module ships inside the package, public: it is to CO2 what ``accelerate.test_utils`` is to
+Accelerate. Whoever writes a training loop, a Trainer subclass or a communicator on top of CO2 needs
+the same things our tests need: N real ranks on one CPU machine, a communicator that records *when*
+the engine launches and waits, a link that is slow on purpose. It needs torch only (importing it loads
+no transformers; tests/test_imports.py checks that), and nothing in the library imports it. Research
+tools (the simulated-worker harness, the benchmarks) are not here: they live in ``scripts/``, which is
+not installed.
 
 `run_processes` runs a function on N fresh CPU processes joined by gloo through a ``file://``
 rendezvous (parallel runs never fight over ports); each rank's return value comes back, an
@@ -131,7 +139,8 @@ def run_processes(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0
         return [o["result"] for o in outputs]
 
 
-# what Trainer runs import: a forkserver that imported them once starts each rank in a blink
+# what Trainer runs import: a forkserver that imported them once starts each rank in a blink (the
+# forkserver skips a module that is not installed: datasets comes with the `test`/`recipes` extras)
 HF_PRELOAD = ("torch", "transformers", "datasets", "accelerate", "co2_hf.integrations.trainer")
 
 

@@ -42,15 +42,19 @@ def build_model(seed: int):
     return GPT2LMHeadModel(GPT2Config(**MODEL))
 
 
-def allreduce_alone(numel: int, repeats: int = 5) -> float:
-    """Median seconds of a blocking fp32 all-reduce of the outer buffer's size, on its own group."""
+def allreduce_alone(numel: int, repeats: int = 5, device: str = "cpu") -> float:
+    """Median seconds of a blocking fp32 all-reduce of the outer buffer's size, on its own group
+    (of the default backend: on ``cuda`` NCCL, whose all-reduce returns once queued, so the clock
+    stops after the device finished it)."""
     group = dist.new_group()
-    buf = torch.ones(numel)
+    buf = torch.ones(numel, device=device)
     times = []
     for _ in range(repeats):
         dist.barrier(group)
         start = time.perf_counter()
         dist.all_reduce(buf, group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -16,6 +16,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+if not __package__:  # run as a file: import the package `scripts` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ELEMENTS = 10_293_504  # bench_bandwidth.py's small model
 
@@ -52,19 +56,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_of:
         return rank_main(args.rank_of)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_bandwidth as bb
+    from scripts.bandwidth import netns
 
-    bb.check_privileges()
-    bb.remove_stale_namespaces()
-    with bb.Network(2) as network:
+    netns.check_privileges()
+    netns.remove_stale_namespaces()
+    with netns.Network(2) as network:
         for rate in args.rates.split(","):
             network.set_rate(rate)
             procs = []
             for rank in range(2):
-                env = {**os.environ, "RANK": str(rank), "MASTER_ADDR": f"{bb.SUBNET}.1"}
-                env["GLOO_SOCKET_IFNAME"] = bb.node_dev(rank)
-                cmd = ["ip", "netns", "exec", bb.node_ns(rank), sys.executable, os.path.abspath(__file__)]
+                env = {**os.environ, "RANK": str(rank), "MASTER_ADDR": f"{netns.SUBNET}.1"}
+                env["GLOO_SOCKET_IFNAME"] = netns.node_dev(rank)
+                cmd = ["ip", "netns", "exec", netns.node_ns(rank), sys.executable, os.path.abspath(__file__)]
                 procs.append(subprocess.Popen([*cmd, "--rank-of", rate], env=env))
             for proc in procs:
                 proc.wait(timeout=180)

@@ -1,4 +1,4 @@
-"""Convergence sweeps of CO2 settings with simulated workers (co2_hf.sim) on the GPT recipe's task.
+"""Convergence sweeps of CO2 settings with simulated workers (scripts/sim.py) on the GPT recipe's task.
 
     python scripts/sim_sweep.py --configs dp slowmo co2_default co2_eager --steps 600 --seeds 0 \\
         --out results/sweep.jsonl [--jobs 2] [--model tiny] [--tau 12] [--workers 4]
@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
+if not __package__:  # run as `python scripts/sim_sweep.py`: import scripts.sim from the repository root
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "recipes"))  # the recipe's corpus and tokenizer (recipes/ is not a package)
 CACHE = ROOT / "outputs" / "sim_cache"
 MODELS = {"micro": (64, 2, 2), "tiny": (128, 4, 4)}
 BLOCK, MICRO_BATCH, EVAL_BLOCKS = 128, 8, 64
@@ -116,7 +118,7 @@ def make_task(model: str, steps: int, seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel, get_cosine_schedule_with_warmup
     from transformers.utils import logging
 
-    from co2_hf.sim import Task
+    from scripts.sim import Task
 
     logging.set_verbosity_error()
     train, val = corpus_blocks()
@@ -169,7 +171,7 @@ def make_task(model: str, steps: int, seed: int):
 def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     from co2_hf import CO2Config
-    from co2_hf.sim import train_simulated
+    from scripts.sim import train_simulated
 
     overrides = CONFIGS[job["config"]]
     config = None if overrides is None else CO2Config(**{"co2_local_steps": job["tau"], **overrides})

@@ -1,22 +1,22 @@
-"""scripts/bench_bandwidth.py and scripts/scaling_model.py: the namespace plan in a dry run (no root),
-tear-down on failure, the steady-state summary, a loopback smoke run, and the model's formulas."""
+"""scripts/bench_bandwidth.py (the package scripts.bandwidth) and scripts/scaling_model.py: the
+namespace plan in a dry run (no root), tear-down on failure, where each rank runs (CPU or one GPU per
+rank), the steady-state summary, a loopback smoke run, and the model's formulas."""
 
 import json
 import os
-import sys
-from pathlib import Path
+import subprocess
 
 import pytest
+import torch
+import torch.distributed
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_bandwidth as bb  # noqa: E402
-import scaling_model as sm  # noqa: E402
+from scripts import scaling_model as sm
+from scripts.bandwidth import analysis, cli, netns, plan, worker
+from scripts.bench_overlap import SEQ
 
 
 def _dry_run_commands(capsys, *argv: str) -> list[str]:
-    bb.main(["--dry-run", *argv])
+    cli.main(["--dry-run", *argv])
     return [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
 
 
@@ -54,14 +54,14 @@ def test_ranks_per_node_share_a_namespace(capsys):
     assert not any("co2b-sw" in c for c in commands)  # two nodes: one veth pair, no bridge
     assert any("link set co2b-e0 mtu 1500" in c for c in commands)
     with pytest.raises(SystemExit):  # one worker per node needs several ranks per node
-        bb.main(["--dry-run", "--methods", "co2_node", "--no-extras"])
+        cli.main(["--dry-run", "--methods", "co2_node", "--no-extras"])
 
 
 @pytest.mark.timeout(20)
 def test_refuses_without_root_and_tears_down_after_a_failed_setup(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit, match="root"):
-        bb.main(["--rates", "100mbit", "--no-extras"])
+        cli.main(["--rates", "100mbit", "--no-extras"])
     ran = []
 
     def execute(cmd, *, check):
@@ -69,52 +69,121 @@ def test_refuses_without_root_and_tears_down_after_a_failed_setup(monkeypatch):
         if len(ran) == 6 and check:
             raise RuntimeError("setup failed")
 
-    monkeypatch.setattr(bb, "_execute", execute)
+    monkeypatch.setattr(netns, "_execute", execute)
     with pytest.raises(RuntimeError, match="setup failed"):
-        with bb.Network(2):
+        with netns.Network(2):
             pass
-    _, down = bb.network_commands(2)
+    _, down = netns.network_commands(2)
     assert ran[-len(down) :] == [" ".join(c) for c in down]
-    network = bb.Network(2)
+    network = netns.Network(2)
     network.close()
     network.close()  # atexit calls it again: a no-op
     assert ran.count("ip netns del co2b-n0") == 2
 
 
+def _rank_envs(commands: list[str]) -> list[dict]:
+    """The KEY=VALUE words in front of each rank's launch in a dry run."""
+    launches = [c.split(" ip netns exec ")[0] for c in commands if "--worker" in c]
+    return [dict(word.split("=", 1) for word in launch.split()) for launch in launches]
+
+
+@pytest.mark.timeout(20)
+def test_cuda_gives_each_rank_its_own_gpu_and_nccl_the_shaped_link(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv = ["--device", "cuda", "--ranks", "4", "--ranks-per-node", "2", "--no-extras", "--rates", "100mbit"]
+    envs = _rank_envs(_dry_run_commands(capsys, *argv))
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]  # the GPU index within its node
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "0,1", "2,3", "2,3"]  # each node its own GPUs
+    assert [e["NCCL_HOSTID"] for e in envs] == ["co2b-n0", "co2b-n0", "co2b-n1", "co2b-n1"]  # one host per node
+    assert [e["NCCL_SOCKET_IFNAME"] for e in envs] == ["co2b-e0", "co2b-e0", "co2b-e1", "co2b-e1"]
+    assert all(e["NCCL_NET"] == "Socket" and e["NCCL_IB_DISABLE"] == "1" for e in envs)  # TCP over the veth
+    assert [plan.backend_and_device("cuda", int(e["LOCAL_RANK"])) for e in envs[:2]] == [
+        ("nccl", "cuda:0"),
+        ("nccl", "cuda:1"),
+    ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the GPUs this job was given, not 0..3
+    envs = _rank_envs(_dry_run_commands(capsys, *argv))
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5", "4,5", "6,7", "6,7"]
+
+
+@pytest.mark.timeout(20)
+def test_cpu_ranks_use_gloo_and_no_gpu_settings(capsys):
+    argv = ["--ranks", "4", "--ranks-per-node", "2", "--no-extras", "--rates", "1gbit"]
+    envs = _rank_envs(_dry_run_commands(capsys, *argv))
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert not any(key.startswith(("CUDA", "NCCL")) for e in envs for key in e)
+    assert plan.backend_and_device("cpu", 1) == ("gloo", "cpu")
+
+
+@pytest.mark.timeout(20)
+def test_cuda_refuses_fewer_gpus_than_ranks_before_any_rank_starts(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a rank started"))
+    argv = ["--device", "cuda", "--loopback", "--rates", "unshaped", "--no-extras"]
+    with pytest.raises(SystemExit, match=r"--device cuda runs one rank per GPU.* 2 ranks .* 1 GPU"):
+        cli.main(argv)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match=r"a block of 4 ranks .*--no-extras"):  # the extras double the ranks
+        cli.main(["--device", "cuda", "--rates", "100mbit"])
+    with pytest.raises(SystemExit):
+        cli.main(["--device", "tpu", "--dry-run"])
+    assert "argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)
+def test_a_cuda_rank_binds_its_local_gpu_before_nccl_starts(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+
+    def init_process_group(backend, **kwargs):
+        calls.append(("init", backend, kwargs.get("device_id")))
+        raise InterruptedError  # far enough: what follows needs a GPU
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    spec = {"model": "tiny", "batch": 1, "device": "cuda", "out_dir": str(tmp_path), "timeout_s": 9}
+    (tmp_path / "spec.json").write_text(json.dumps({**spec, "ranks_per_node": 2, "runs": []}))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(InterruptedError):
+        worker.worker(str(tmp_path / "spec.json"))
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl", torch.device("cuda", 1))]
+
+
 @pytest.mark.timeout(10)
 def test_steady_state_summary_by_hand():
-    run = bb.Run("co2", tau=2, rounds=4)
+    run = plan.Run("co2", tau=2, rounds=4)
     rank = {"times": [9, 9, 1, 2, 1, 4, 9, 9], "waits": [0, 0.5, 1.5, 7], "comms": [0, 2, 2, 7], "load_1m": 2.0}
-    block = bb.Block(2, 1, "100mbit", "tiny", [run], batch=3)
-    line = bb.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
+    block = plan.Block(2, 1, "100mbit", "tiny", [run], batch=3)
+    line = analysis.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
     assert line["step_time_s"] == 1.5  # median of the steady steps 1, 2, 1, 4
     assert line["time_per_step_s"] == 2.0  # steady rounds take 3 and 5 s: median 4, over tau 2
     assert line["exposed_comm_per_round_s"] == 1.5  # max over ranks per round: 0.5 and 2.5
     assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
     assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
-    assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * bb.SEQ / 2.0
+    assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * SEQ / 2.0
     assert "link_tx_bytes_per_round" not in line  # loopback: no link counter
 
 
 @pytest.mark.timeout(10)
 def test_link_bytes_per_round_and_their_prediction_by_hand():
-    run = bb.Run("co2_node", tau=2, rounds=4)
-    block = bb.Block(4, 2, "100mbit", "tiny", [run], batch=3)
+    run = plan.Run("co2_node", tau=2, rounds=4)
+    block = plan.Block(4, 2, "100mbit", "tiny", [run], batch=3)
     ranks = [{"times": [1.0] * 8, "waits": [0] * 4, "comms": [1] * 4, "load_1m": 1.0} for _ in range(4)]
     for rank, tx in zip(ranks, [400, 400, 800, 800]):  # the two ranks of a node read one counter
         rank["link_tx_bytes"] = tx
-    line = bb.run_line(block, run, ranks, alone=1.0, limit=1.0)
+    line = analysis.run_line(block, run, ranks, alone=1.0, limit=1.0)
     assert line["link_tx_bytes_per_round"] == 150  # (400 + 800) / 2 nodes / 4 rounds
-    size = 4 * sm.gpt2_params(bb.MODELS["tiny"])
+    size = 4 * sm.gpt2_params(plan.MODELS["tiny"])
     assert line["link_tx_predicted_bytes_per_round"] == round(size)  # 2 (2-1)/2 x S: k rings of S/k
-    assert bb.predicted_link_bytes("co2", block) == pytest.approx(1.5 * size)  # one ring of 4 ranks
+    assert analysis.predicted_link_bytes("co2", block) == pytest.approx(1.5 * size)  # one ring of 4 ranks
 
 
 @pytest.mark.timeout(90)
 def test_loopback_smoke_run(tmp_path, capsys):
     out, png = tmp_path / "out.jsonl", tmp_path / "plot.png"
     argv = ["--loopback", "--rates", "unshaped", "--no-extras", "--model", "tiny", "--taus", "2"]
-    bb.main(
+    cli.main(
         [*argv, "--min-steps", "8", "--ddp-steps", "4", "--limit-steps", "4", "--out", str(out), "--plot", str(png)]
     )
     assert capsys.readouterr().out.startswith("# plan:")  # the estimate comes first
@@ -144,7 +213,7 @@ def test_scaling_model_formulas_by_hand():
     # 2 -> 4 workers: the all-reduce grows from 1 to 1.5 s; data parallel keeps 1.5 / 2 of linear scaling
     assert sm.scalability("data_parallel", *args[:3], 2, 4) == pytest.approx(0.75)
     assert sm.scalability("co2", *args[:3], 2, 4, tau=4) == pytest.approx(1.0)
-    assert sm.gpt2_params(bb.MODELS["small"]) == 10_293_504  # counted by torch on the real model
+    assert sm.gpt2_params(plan.MODELS["small"]) == 10_293_504  # counted by torch on the real model
     assert sm.gpt2_params(sm.GPT2_SMALL) == 124_439_808  # GPT-2 small as published by OpenAI/HF
 
 
@@ -157,9 +226,9 @@ def test_markdown_table_lists_the_methods_only():
         {**common, **run, "method": "no_comm", "tau": None, "hidden_frac": None},
         {**common, **run, "method": "co2", "tau": 12, "hidden_frac": 1.0},
     ]
-    rows = bb.markdown_table(lines).splitlines()
+    rows = analysis.markdown_table(lines).splitlines()
     assert len(rows) == 3 and rows[2].startswith("| 100mbit | 2 | small | co2 | 12 | 0.500 | 970 | **0.78** |")
     assert rows[2].endswith("| 1 |")
     repeated = [*lines, {**lines[2], "rel_to_limit": 0.90}, {**lines[2], "rel_to_limit": 0.95}]
-    rows = bb.markdown_table(repeated).splitlines()  # repeats of a cell: one row, the median
+    rows = analysis.markdown_table(repeated).splitlines()  # repeats of a cell: one row, the median
     assert len(rows) == 3 and "| **0.90** |" in rows[2] and rows[2].endswith("| 3 |")

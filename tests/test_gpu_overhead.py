@@ -1,22 +1,70 @@
-"""scripts/gpu_overhead.py (the one-device boundary-cost check meant for a GPU) as a CPU smoke run."""
+"""scripts/gpu_overhead.py (the one-device boundary-cost check meant for a GPU): its arithmetic on
+synthetic step times, and a CPU smoke run."""
 
-import sys
-from pathlib import Path
+import statistics
 
 import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from scripts import gpu_overhead
+
+
+def _line(run: str, step_times: list[float], tau: int, repeat: int = 0) -> dict:
+    """What ``gpu_overhead.run`` reports for steps that took ``step_times`` (whole rounds of tau)."""
+    total, steps = sum(step_times), len(step_times)
+    line = {"run": run, "repeat": repeat, "rounds": steps // tau, "steps": steps, "total_s": total}
+    return {**line, "time_per_step_s": total / steps}
+
+
+@pytest.mark.timeout(10)
+def test_a_boundary_that_only_one_step_in_tau_pays_shows_in_the_totals():
+    tau, rounds = 12, 5
+    plain = [0.100] * (tau * rounds)
+    co2 = [0.100 if (i + 1) % tau else 0.160 for i in range(tau * rounds)]  # each boundary step +60 ms
+    assert statistics.median(co2) == statistics.median(plain)  # a median step never sees the boundary
+    summary = gpu_overhead.summarize([_line("plain", plain, tau), _line("co2", co2, tau)])
+    assert summary["co2"]["vs_plain"] == pytest.approx(1.05)  # 60 ms per 1.2 s round
+    assert summary["co2"]["boundary_s"] == pytest.approx(0.060)
+    assert summary["co2"]["boundary_steps"] == pytest.approx(0.6)
+    assert summary["plain"]["vs_plain"] == 1.0 and summary["plain"]["boundary_s"] == 0.0
+
+
+@pytest.mark.timeout(10)
+def test_each_run_is_compared_with_plain_of_its_own_repeat():
+    tau = 2
+    lines = [  # the device slows down by 2x in repeat 1: both runs move together
+        _line("plain", [1.0] * 4, tau, repeat=0),
+        _line("co2", [1.0, 1.2] * 2, tau, repeat=0),
+        _line("plain", [2.0] * 4, tau, repeat=1),
+        _line("co2", [2.0, 2.4] * 2, tau, repeat=1),
+        _line("plain", [1.0] * 4, tau, repeat=2),
+        _line("co2", [1.0, 1.2] * 2, tau, repeat=2),
+    ]
+    summary = gpu_overhead.summarize(lines)["co2"]
+    assert summary["vs_plain"] == pytest.approx(1.1)  # 10% in every repeat
+    assert summary["boundary_steps"] == pytest.approx(0.2)
+    assert summary["boundary_s"] == pytest.approx(0.2)  # at plain's median step, 1.0 s
 
 
 @pytest.mark.timeout(60)
 def test_smoke_run_on_the_cpu_reports_every_run(capsys):
-    import gpu_overhead
-
-    argv = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--batch", "1", "--tau", "3", "--steps", "6"]
-    lines = gpu_overhead.main([*argv, "--repeats", "1"])
+    argv = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--batch", "1", "--tau", "2"]
+    lines = gpu_overhead.main([*argv, "--rounds", "2", "--repeats", "1"])
     assert [x["run"] for x in lines] == list(gpu_overhead.RUNS)
-    assert all(x["median_step_s"] > 0 for x in lines)
+    assert all(x["total_s"] > 0 and x["steps"] == 4 for x in lines)
+    assert [x["boundaries"] for x in lines] == [0, 2, 2, 2]  # whole rounds: one boundary each
     assert lines[0]["outer_state_bytes"] == 0 and lines[1]["outer_state_bytes"] > 0
-    assert "# co2: median step" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # round 0 is excluded: at least two rounds are needed
-        gpu_overhead.main([*argv[:-2], "--steps", "5"])
+    out = capsys.readouterr().out
+    assert "# co2: " in out and " x plain (target <= 1.03: " in out
+    with pytest.raises(SystemExit):
+        gpu_overhead.main([*argv, "--rounds", "0"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_times_whole_rounds_with_gpu_and_host_state(capsys):
+    argv = ["--device", "cuda", "--model", "tiny", "--seq", "128", "--batch", "2", "--tau", "4", "--rounds", "2"]
+    lines = gpu_overhead.main([*argv, "--repeats", "1"])
+    assert [x["boundaries"] for x in lines] == [0, 2, 2, 2] and all(x["total_s"] > 0 for x in lines)
+    assert lines[3]["outer_state_bytes"] > 0  # co2_cpu_state: the state in host memory, trained on the GPU
+    assert "# co2_cpu_state: " in capsys.readouterr().out

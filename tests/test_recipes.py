@@ -97,8 +97,7 @@ def test_vit_recipe_offline_default_through_a_baseline_method_with_fsdp2_inside_
 
 @pytest.mark.timeout(20)
 def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import compare_methods
+    from scripts import compare_methods
 
     lines = [
         {"method": "slowmo", "eval_loss": 4.0},
@@ -113,8 +112,7 @@ def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
 
 @pytest.mark.timeout(20)
 def test_compare_methods_tables_every_recorded_run_with_the_latest_line_of_each(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import compare_methods
+    from scripts import compare_methods
 
     records = [
         {"method": "dp", "seed": 0, "eval_loss": 5.0},

@@ -9,8 +9,6 @@ import logging
 import os
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +17,7 @@ from reliability_workers import FAULT_TIMEOUT_S, FAULTS, NAN_STEP, TAU, nan_suit
 from co2_hf import CO2, CO2Config
 from co2_hf.integrations import checkpoint
 from co2_hf.testing import HF_PRELOAD, FakeCommunicator, run_with_faults
-
-# before any test runs, so that the forkserver started by run_with_faults can import the script
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import soak  # noqa: E402
+from scripts import soak
 
 SLACK_S = 1.5  # scheduling noise on a loaded 2-core machine
 # a safety net for the tests that may set up the module's shared runs (about 15-20 s each on 2 free

@@ -1,4 +1,4 @@
-"""The simulation harness drives the real engine: it must match a real 2-process gloo run."""
+"""The simulation harness (scripts/sim.py) drives the real engine: it must match a real 2-process gloo run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from distributed import run_processes
 from workers import TinyNet, loss_on, make_optimizer, train_engine
 
 from co2_hf import CO2Config
-from co2_hf.sim import Task, train_simulated
+from scripts.sim import Task, train_simulated
 
 SETTINGS = {
     "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.5),

@@ -225,7 +225,8 @@ class CO2(CheckpointMixin):
     def anchor_state(self) -> dict[str, Tensor]:
         """The module's ``state_dict`` with every synchronised tensor taken from the anchor.
 
-        Values are in each tensor's own dtype (views of the fp32 anchor where that is fp32):
+        Values are in each tensor's own dtype and on its own device (views of the fp32 anchor where
+        both match; copies when the state is held in host memory, ``co2_state_device=cpu``):
         read-only, valid until the next boundary. During the warm-up the live tensors are the
         global model and are returned as they are.
         """
@@ -235,7 +236,8 @@ class CO2(CheckpointMixin):
         anchor = self._full_anchor() if self.layout.gathers else self._anchor
         for segment in self.layout.segments:
             flat = anchor[segment.offset : segment.offset + segment.numel]
-            value = flat.view(segment.tensor.shape).to(segment.tensor.dtype)
+            # on the tensor's own device: host-memory state (co2_state_device=cpu) is copied there
+            value = flat.view(segment.tensor.shape).to(device=segment.tensor.device, dtype=segment.tensor.dtype)
             if segment.dtensor is not None:  # FSDP2: the anchor's local shard, as a DTensor
                 d = segment.dtensor
                 value = DTensor.from_local(value, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
@@ -344,7 +346,7 @@ class CO2(CheckpointMixin):
                 self.comm.wait(pending, self.config.co2_timeout_s)
             except RuntimeError as error:
                 raise self._peer_failure(error) from error
-        self._last_wait_s = time.perf_counter() - start if record else 0.0
+        self._last_wait_s = pending.wait_seconds(since=start) if record else 0.0
         self.last_comm_s = pending.comm_seconds()
         self._metrics["comm_s"].append(self.last_comm_s)
         if self._wire is not self._buf:

@@ -16,6 +16,21 @@ The engine needs five verbs (``docs/algorithm.md``, "Communication"):
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
 main thread with ``async_op=True``; no Python threads. `LocalCommunicator` is the single-worker
 case, where every all-reduce is the identity. Tests inject fakes (``co2_hf.testing``).
+
+Timing. On CPU tensors (gloo) an all-reduce's completion is stamped on the host by its future's
+callback, which gloo runs when the transfer ends. NCCL completes that future when the work is
+*queued*, so on CUDA tensors CO2 times with CUDA events instead: one on the compute stream before
+the launch and one on a side stream made to wait for the all-reduce (launch to completion), and
+two on the compute stream around the wait (how long compute was held up: the exposed wait).
+
+Timeouts. Every collective CO2 waits for at a boundary is bounded on the host by ``co2_timeout_s``
+and fails with CO2's error naming it: gloo's ``wait(timeout)``; on CUDA tensors a poll of
+``is_completed()`` up to the deadline (NCCL's own ``wait(timeout)`` blocks the host only on some
+torch versions). CO2's groups get a longer timeout (`group_timeout`), so that NCCL's watchdog,
+which aborts the process when a collective outlives its group's timeout, never fires first. The
+per-step collectives on CUDA tensors (the gradient average inside a worker, the warm-up) are not
+polled: a host sync every step would stall the GPU; a peer lost there is caught by the next
+boundary's bounded waits, or by the watchdog at `group_timeout`.
 """
 
 from __future__ import annotations
@@ -40,6 +55,9 @@ class Pending:
     # set by the work's completion callback (a list, so the callback can append from any thread)
     completed_at: list[float] = field(default_factory=list)
     waited: bool = False
+    # CUDA tensors: (before launch, after completion) and (before wait, after wait), see the module docstring
+    launch_events: tuple[Any, Any] | None = None
+    wait_events: tuple[Any, Any] | None = None
 
     def mark_waited(self) -> None:
         if self.waited:
@@ -47,9 +65,20 @@ class Pending:
         self.waited = True
 
     def comm_seconds(self) -> float:
-        """Launch to completion, as reported by the completion callback."""
+        """Launch to completion: on the GPU's clock for CUDA tensors, else as the completion
+        callback stamped it. Call after the wait (the events are then complete, or nearly)."""
+        if self.launch_events is not None:
+            return _elapsed_s(*self.launch_events)
         end = self.completed_at[0] if self.completed_at else time.perf_counter()
         return max(end - self.launched_at, 0.0)
+
+    def wait_seconds(self, since: float) -> float:
+        """How long the wait held compute up: the compute stream's stall for CUDA tensors, else the
+        host's time since ``since`` (a ``time.perf_counter()`` taken before the wait)."""
+        if self.wait_events is not None:
+            # synchronises the host with the compute stream, which the boundary does right after anyway
+            return _elapsed_s(*self.wait_events)
+        return time.perf_counter() - since
 
 
 class Communicator:
@@ -111,39 +140,61 @@ class ProcessGroupCommunicator(Communicator):
     ``co2_worker_size = k > 1``, ``outer`` holds the processes with the same index j inside their
     worker (each all-reduces slice j of the flat outer gradient, so the k slow transfers run in
     parallel), ``worker`` the k processes of this worker (fast link), ``everyone`` all processes.
+    ``timeout_s`` (``co2_timeout_s``) bounds every wait (module docstring, "Timeouts").
     """
 
-    def __init__(self, outer: Any, *, worker: Any = None, everyone: Any = None, sharded_params: bool = False) -> None:
+    def __init__(
+        self,
+        outer: Any,
+        *,
+        worker: Any = None,
+        everyone: Any = None,
+        sharded_params: bool = False,
+        timeout_s: float = 600.0,
+    ) -> None:
         self.group, self.worker_group = outer, worker
         self.everyone = everyone if everyone is not None else outer
         # FSDP2 shards the parameters inside a worker: the process of index j in every worker holds
         # the same shard, so start-up broadcasts and warm-up all-reduces run over the outer group
         self.sharded_params = sharded_params
+        self.timeout_s = timeout_s
         self.num_workers = dist.get_world_size(outer)
         self.worker_size = dist.get_world_size(worker) if worker is not None else 1
         self.worker_index = dist.get_rank(outer)
         self.shard_index = dist.get_rank(worker) if worker is not None else 0
+        self._side_streams: dict[Any, Any] = {}
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
         group = self.group if self.sharded_params else self.everyone
         source = dist.get_global_rank(group, 0)
-        for tensor in tensors:
-            dist.broadcast(tensor, src=source, group=group)
+        works = [dist.broadcast(tensor, src=source, group=group, async_op=True) for tensor in tensors]
+        for work, tensor in zip(works, tensors):
+            self._finish(work, tensor, "the start-up broadcast of the model")
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor)
+        start = _record_event(tensor)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         pending.work = work
-        work.get_future().then(lambda _: pending.completed_at.append(time.perf_counter()))
+        if start is None:  # gloo: the future completes when the transfer does
+            work.get_future().then(lambda _: pending.completed_at.append(time.perf_counter()))
+        else:  # NCCL completes the future at enqueue: time on a side stream that waits for the work
+            with torch.cuda.stream(self._side_stream(tensor.device)):
+                _block_current_stream(work)
+                pending.launch_events = (start, _record_event(tensor))
         return pending
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
-        pending.work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        before = _record_event(pending.tensor)
+        _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
+        if before is not None:
+            pending.wait_events = (before, _record_event(pending.tensor))
 
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._finish(work, tensor, "the warm-up's gradient all-reduce", every_step=True)
 
     def worker_ranks(self) -> list[int]:
         """The global ranks of this process's worker."""
@@ -153,19 +204,94 @@ class ProcessGroupCommunicator(Communicator):
 
     def reduce_stats(self, partials: Tensor) -> Tensor:
         if self.worker_group is not None:
-            dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=self.worker_group)
+            work = dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=self.worker_group, async_op=True)
+            self._finish(work, partials, "the sum of the outer statistics over this worker's processes")
         return partials
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         if self.worker_group is None:
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.worker_size)]
-        dist.all_gather(parts, tensor, group=self.worker_group)
+        work = dist.all_gather(parts, tensor, group=self.worker_group, async_op=True)
+        self._finish(work, tensor, "the all-gather of the anchor over this worker's processes")
         return parts
 
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         if self.worker_group is not None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.worker_group)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.worker_group, async_op=True)
+            self._finish(work, tensor, "the gradient average over this worker's processes", every_step=True)
+
+    def _finish(self, work: Any, tensor: Tensor, what: str, *, every_step: bool = False) -> None:
+        """Wait for a collective, bounded by ``co2_timeout_s``; CUDA per-step ones only join the
+        compute stream (module docstring, "Timeouts")."""
+        if every_step and tensor.is_cuda:
+            _block_current_stream(work)
+            return
+        try:
+            _bounded_wait(work, tensor, self.timeout_s)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"CO2: {what} failed or did not finish within co2_timeout_s={self.timeout_s}s "
+                f"(a peer may have died or stalled): {error}"
+            ) from error
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+
+def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
+    """Block the host until ``work`` is done, ``timeout_s`` at most (RuntimeError past it); on CUDA
+    tensors the compute stream then waits for it too (which returns at once: it is done)."""
+    if not tensor.is_cuda:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():  # also True once the watchdog has set an error, which wait() raises
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s}s")
+        time.sleep(POLL_S)
+    _block_current_stream(work)
+
+
+POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
+
+
+def _block_current_stream(work: Any) -> None:
+    """Make the current CUDA stream wait for ``work`` without blocking the host (torch >= 2.7 names it
+    ``block_current_stream``; ``synchronize`` is the same for NCCL on older versions)."""
+    (getattr(work, "block_current_stream", None) or work.synchronize)()
+
+
+def _record_event(tensor: Tensor) -> Any:
+    """A timing CUDA event recorded now on the current stream of ``tensor``'s device; None on CPU."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _elapsed_s(start: Any, end: Any) -> float:
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def group_timeout(timeout_s: float) -> datetime.timedelta:
+    """The timeout of CO2's process groups: well above ``co2_timeout_s``, so that CO2's bounded waits
+    raise its own error first and NCCL's watchdog only catches what CO2 does not wait for itself."""
+    return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 60))
+
+
+def group_backend(state_device: torch.device, default_backend: str) -> str | None:
+    """The backend of CO2's groups: the default group's (None) when the state lives with the model.
+    Host-memory state needs gloo for the outer exchange; with a GPU model under NCCL the groups are
+    per device (``cpu:gloo,cuda:nccl``), so the per-step gradient average inside a worker, on CUDA
+    tensors, stays on NCCL (NVLink) and only host tensors cross gloo."""
+    if state_device.type != "cpu":
+        return None
+    return "cpu:gloo,cuda:nccl" if "nccl" in default_backend else "gloo"
 
 
 def make_communicator(
@@ -180,20 +306,19 @@ def make_communicator(
 
     With ``process_group=None`` CO2 creates groups of its own over all ranks of the default group
     (every rank must construct CO2 at the same point: creating a group is collective). With
-    ``worker_size = k``, ranks ``w*k .. w*k+k-1`` form worker w. Host-memory state needs gloo,
-    whatever the default backend.
+    ``worker_size = k``, ranks ``w*k .. w*k+k-1`` form worker w. The groups' backend is
+    `group_backend`'s, their timeout `group_timeout`'s.
     """
     if process_group is None and not dist.is_initialized():
         return LocalCommunicator()
     if process_group is not None:
         if worker_size != 1:
             raise ValueError(f"co2_worker_size={worker_size} needs process_group=None: CO2 builds its groups itself")
-        return ProcessGroupCommunicator(process_group)
-    backend = "gloo" if state_device.type == "cpu" else None
-    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return ProcessGroupCommunicator(process_group, timeout_s=timeout_s)
+    kwargs = dict(backend=group_backend(state_device, str(dist.get_backend())), timeout=group_timeout(timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     if worker_size == 1:
-        return ProcessGroupCommunicator(dist.new_group(**kwargs))
+        return ProcessGroupCommunicator(dist.new_group(**kwargs), timeout_s=timeout_s)
     everyone = dist.new_group(**kwargs)
     worker = outer = None
     for w in range(world // worker_size):  # every rank creates every group, in the same order
@@ -202,21 +327,25 @@ def make_communicator(
     for j in range(worker_size):
         group = dist.new_group(list(range(j, world, worker_size)), **kwargs)
         outer = group if rank % worker_size == j else outer
-    return ProcessGroupCommunicator(outer, worker=worker, everyone=everyone, sharded_params=sharded_params)
+    return ProcessGroupCommunicator(
+        outer, worker=worker, everyone=everyone, sharded_params=sharded_params, timeout_s=timeout_s
+    )
 
 
-_WORKER_MESHES: dict[tuple[str, int], Any] = {}
+_WORKER_MESHES: dict[tuple[str, int, float | None], Any] = {}
 
 
-def worker_mesh(worker_size: int, device_type: str | None = None) -> Any:
+def worker_mesh(worker_size: int, device_type: str | None = None, *, timeout_s: float | None = None) -> Any:
     """The 1-D DeviceMesh of this process's CO2 worker: what FSDP2 shards over inside a worker.
 
-    ``fully_shard(module, mesh=worker_mesh(k))`` shards the model over the k consecutive ranks of
-    one worker (``co2_worker_size = k``), never across workers. Collective the first time (every
-    rank calls it with the same arguments); cached afterwards. ``device_type`` defaults to cuda
-    when available, else cpu.
+    ``fully_shard(module, mesh=worker_mesh(k, timeout_s=co2_timeout_s))`` shards the model over the
+    k consecutive ranks of one worker (``co2_worker_size = k``), never across workers. Collective the
+    first time (every rank calls it with the same arguments); cached afterwards. ``device_type``
+    defaults to cuda when available, else cpu. ``timeout_s`` (``co2_timeout_s``) gives the mesh's
+    groups `group_timeout` instead of torch's default (10 min on NCCL, 30 on gloo), so that FSDP2's
+    collectives with a dead peer inside the worker end as soon as CO2's own.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise RuntimeError("worker_mesh needs torch.distributed to be initialised (init_process_group)")
@@ -224,9 +353,12 @@ def worker_mesh(worker_size: int, device_type: str | None = None) -> Any:
     if not isinstance(worker_size, int) or worker_size < 1 or world % worker_size:
         raise ValueError(f"co2_worker_size={worker_size!r} must be an integer >= 1 dividing the world size {world}")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    key = (device_type, worker_size)
+    key = (device_type, worker_size, timeout_s)
     if key not in _WORKER_MESHES:
-        shape = (world // worker_size, worker_size)  # row-major: worker w is ranks w*k .. w*k+k-1
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("co2_outer", "co2_worker"))
-        _WORKER_MESHES[key] = mesh["co2_worker"]
+        timeout = group_timeout(timeout_s) if timeout_s is not None else None
+        mine = None
+        for w in range(world // worker_size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(w * worker_size, (w + 1) * worker_size)), timeout=timeout)
+            mine = group if dist.get_rank() // worker_size == w else mine
+        _WORKER_MESHES[key] = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("co2_worker",))
     return _WORKER_MESHES[key]

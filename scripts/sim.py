@@ -1,11 +1,18 @@
 """Simulate G CO2 workers in one process, driving the real engine (for sweeps and tests).
 
+A research harness, so it lives in ``scripts/`` and not in the installed package: it trains a toy
+task with simulated workers to compare CO2's settings (scripts/sim_sweep.py, docs/choosing_settings.md),
+which no user of the library needs to train a model. It uses the library's public API only
+(``CO2``, ``CO2Config``, the ``Communicator`` interface of ``co2_hf.core``); tests/test_sim.py checks
+that it matches a real two-process run.
+
 Every worker has its own model, optimizer and `CO2` engine; a `SimulatedNetwork` stands in for the
 process group, so the code path measured is the shipped one. Workers compute one after another;
 only the ``CO2.step()`` calls of a step run in a thread per worker, because a blocking all-reduce
 (synchronous mode, warm-up) must wait for the other workers' contributions. Sums are taken in
 worker order, so a simulation is deterministic.
 
+    from scripts.sim import Task, train_simulated
     result = train_simulated(workers=4, config=CO2Config(...), task=task, steps=600, eval_every=50)
 
 ``config=None`` trains the data-parallel baseline: one model whose gradient is the mean of the
@@ -24,9 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import CO2Config
-from .core import CO2
-from .core.comm import Communicator, Pending
+from co2_hf import CO2Config
+from co2_hf.core import CO2, Communicator, Pending
 
 
 class SimulatedNetwork:

@@ -1,0 +1,168 @@
+"""From the ranks' raw timings to the JSON lines and the README's table.
+
+Steady state: a run's first and last round are excluded (a round is tau steps; one step for ddp and
+no_comm). Every number is the slowest rank's: a method that synchronises runs at its pace, so the
+limit of a data-parallel job is the slowest rank too. Each run is compared with the mean of the
+``no_comm`` runs next to it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..bench_overlap import SEQ
+from ..scaling_model import gpt2_params
+from .netns import rate_bps
+from .plan import CO2_SETTINGS, MODELS, Block, Run
+
+
+def _steady_per_step(run: Run, times: list[float]) -> float:
+    """Median over the steady rounds of a round's wall time, per step."""
+    rounds = [sum(times[k * run.tau : (k + 1) * run.tau]) for k in range(1, run.rounds - 1)]
+    return statistics.median(rounds) / run.tau
+
+
+def _slowest_per_step(run: Run, per_rank: list[dict]) -> float:
+    """The slowest rank's steady time per step. Any method that synchronises runs at its pace (the
+    others wait for it), so the no-communication limit of a data-parallel job is the slowest rank
+    too; the cores of a shared machine differ in speed by a few percent from run to run."""
+    return max(_steady_per_step(run, r["times"]) for r in per_rank)
+
+
+def probe_line(block: Block, probe: list[dict]) -> dict:
+    seconds = max(p["allreduce_alone_s"] for p in probe)
+    params = gpt2_params(MODELS[block.model])
+    sent_bits = 2 * (block.nodes - 1) / block.nodes * 4 * params * 8  # ring: what each node sends
+    bps = rate_bps(block.rate)
+    return {
+        **_ids(block),
+        "method": "probe",
+        "allreduce_alone_s": round(seconds, 4),
+        "achieved_mbit": round(sent_bits / seconds / 1e6, 1),
+        "nominal_mbit": bps / 1e6 if bps else None,
+    }
+
+
+def _ids(block: Block) -> dict:
+    return {
+        "rate": block.rate,
+        "ranks": block.ranks,
+        "nodes": block.nodes,
+        "ranks_per_node": block.ranks_per_node,
+        "model": block.model,
+        "params": gpt2_params(MODELS[block.model]),
+        "batch": block.batch,
+    }
+
+
+def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: float | None) -> dict:
+    """The JSON line of one run; ``limit`` is the block's no_comm time per step."""
+    step = statistics.median(statistics.median(r["times"][run.tau : run.tau * (run.rounds - 1)]) for r in per_rank)
+    slowest = _slowest_per_step(run, per_rank)
+    line = {
+        **_ids(block),
+        "method": run.method,
+        "tau": run.tau if run.method in CO2_SETTINGS else None,
+        "rounds": run.rounds,
+        "step_time_s": round(step, 4),
+        "time_per_step_s": round(slowest, 4),
+        "tokens_per_s": round(block.ranks * block.batch * SEQ / slowest, 1),
+        "allreduce_alone_s": round(alone, 4),
+        "load_1m": round(per_rank[0]["load_1m"], 2),
+    }
+    tx = [r.get("link_tx_bytes") for r in per_rank]
+    if tx and all(t is not None for t in tx):  # every rank of a node reads the node's one counter
+        per_node = [tx[n * block.ranks_per_node] for n in range(block.nodes)]
+        line["link_tx_bytes_per_round"] = round(statistics.fmean(per_node) / run.rounds)
+        line["link_tx_predicted_bytes_per_round"] = round(predicted_link_bytes(run.method, block))
+    exposed, hidden = 0.0, None
+    if run.method in CO2_SETTINGS:
+        waits = [max(w) for w in zip(*(r["waits"][1:-1] for r in per_rank))]  # max over ranks per round
+        comms = [max(c) for c in zip(*(r["comms"][1:-1] for r in per_rank))]
+        exposed = statistics.median(waits)
+        hidden = max(0.0, 1 - sum(waits) / sum(comms)) if sum(comms) > 0 else None
+        line["comm_s"] = round(statistics.median(comms), 4)
+    elif run.method == "ddp" and limit is not None:
+        exposed = max(0.0, slowest - limit)
+        hidden = min(1.0, max(0.0, 1 - exposed / alone))
+    if limit is not None:
+        round_compute = run.tau * limit
+        line["exposed_comm_per_round_s"] = round(exposed, 4)
+        line["exposed_frac_of_round"] = round(exposed / round_compute, 4)
+        line["comm_over_compute"] = round(alone / round_compute, 4) if run.method != "no_comm" else None
+        line["rel_to_limit"] = round(limit / slowest, 4)
+        line["limit_tokens_per_s"] = round(block.ranks * block.batch * SEQ / limit, 1)
+    line["hidden_frac"] = round(hidden, 4) if hidden is not None else None
+    return line
+
+
+def predicted_link_bytes(method: str, block: Block) -> float:
+    """Bytes a node sends over its link per round (per step for ddp), for fp32 ring all-reduces of
+    the model's size S: a ring of R members makes every hop carry 2 (R-1)/R x S, and a ring over
+    all ranks in node order leaves each node through one hop. With one worker per node
+    (co2_node), k rings of one rank per node each carry S/k, and all k leave the node."""
+    if method == "no_comm":
+        return 0.0
+    size = 4 * gpt2_params(MODELS[block.model])
+    members = block.nodes if method == "co2_node" else block.ranks
+    return 2 * (members - 1) / members * size
+
+
+def _limit_for(i: int, block: Block, per_step: list[float | None]) -> float | None:
+    """Mean time per step of the no_comm runs next to run ``i`` (of all of them, for a no_comm run)."""
+    limits = [j for j, run in enumerate(block.runs) if run.method == "no_comm" and per_step[j] is not None]
+    if block.runs[i].method != "no_comm":
+        before, after = [j for j in limits if j < i], [j for j in limits if j > i]
+        limits = before[-1:] + after[:1]
+    return statistics.fmean(per_step[j] for j in limits) if limits else None
+
+
+def block_lines(block: Block, probe: list[dict] | None, results: list) -> list[dict]:
+    if probe is None:
+        return [
+            {**_ids(block), "method": run.method, "tau": run.tau, "error": str(res)}
+            for run, res in zip(block.runs, results)
+        ]
+    head = probe_line(block, probe)
+    per_step = [None if isinstance(res, str) else _slowest_per_step(run, res) for run, res in zip(block.runs, results)]
+    lines = [head]
+    for i, (run, res) in enumerate(zip(block.runs, results)):
+        if isinstance(res, str):
+            lines.append({**_ids(block), "method": run.method, "tau": run.tau, "error": res})
+        else:
+            lines.append(run_line(block, run, res, head["allreduce_alone_s"], _limit_for(i, block, per_step)))
+    return lines
+
+
+def markdown_table(lines: list[dict]) -> str:
+    """The README's table: one row per cell (link, ranks, model, method, tau), probes and no_comm
+    runs left out, in file order; with repeats, the median of each column and the number of runs."""
+    head = (
+        "| link | ranks | model | method | tau | step (s) | tokens/s | vs limit | all-reduce alone (s) "
+        "| exposed per round (s) | hidden | load | runs |"
+    )
+    cells: dict[tuple, list[dict]] = {}
+    for x in lines:
+        if x["method"] not in ("probe", "no_comm") and "error" not in x:
+            cells.setdefault((x["rate"], x["ranks"], x["model"], x["method"], x.get("tau")), []).append(x)
+    rows = [head, "|---" * 13 + "|"]
+    for (rate, ranks, model, method, tau), runs in cells.items():
+        med = {key: statistics.median(r[key] for r in runs) for key in _TABLE_KEYS}
+        hidden = [r["hidden_frac"] for r in runs if r.get("hidden_frac") is not None]
+        hidden_text = f"{statistics.median(hidden):.2f}" if hidden else "-"
+        rows.append(
+            f"| {rate} | {ranks} | {model} | {method} | {tau or '-'} | {med['time_per_step_s']:.3f} "
+            f"| {med['tokens_per_s']:.0f} | **{med['rel_to_limit']:.2f}** | {med['allreduce_alone_s']:.3f} "
+            f"| {med['exposed_comm_per_round_s']:.3f} | {hidden_text} | {med['load_1m']:.1f} | {len(runs)} |"
+        )
+    return "\n".join(rows)
+
+
+_TABLE_KEYS = (
+    "time_per_step_s",
+    "tokens_per_s",
+    "rel_to_limit",
+    "allreduce_alone_s",
+    "exposed_comm_per_round_s",
+    "load_1m",
+)

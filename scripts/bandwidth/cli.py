@@ -1,0 +1,125 @@
+"""The command line of scripts/bench_bandwidth.py: flags, their checks, and the order of the steps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from ..bench_overlap import SEQ
+from . import __doc__ as DESCRIPTION
+from .analysis import markdown_table
+from .launch import print_dry_run, run_plan
+from .netns import check_privileges, rate_bps, remove_stale_namespaces
+from .plan import DEFAULT_BATCH, DEVICES, METHODS, MODELS, build_plan, check_gpus, estimate_block_s, visible_gpus
+from .plot import plot
+from .worker import worker
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    csv = lambda kind: lambda text: [kind(x) for x in text.split(",") if x]  # noqa: E731
+    parser = argparse.ArgumentParser(
+        prog="bench_bandwidth.py", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rates", type=csv(str), default=["unshaped", "1gbit", "300mbit", "100mbit"])
+    parser.add_argument("--taus", type=csv(int), default=[4, 12], help="taus of the CO2-engine methods")
+    parser.add_argument(
+        "--methods",
+        type=csv(str),
+        default=[m for m in METHODS if m != "co2_node"],
+        help=f"among {', '.join(METHODS)} (co2_node: needs --ranks-per-node > 1)",
+    )
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing one namespace (unshaped)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument(
+        "--no-extras",
+        dest="extras",
+        action="store_false",
+        help="skip the slowest-rate extras: 2x ranks at tau 48, and the large model",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=DEFAULT_BATCH, help=f"sequences of {SEQ} tokens per rank and step"
+    )
+    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the veth links (1500; 9000: jumbo frames)")
+    parser.add_argument("--min-steps", type=int, default=60, help="steps per CO2-engine run, at least 4 rounds")
+    parser.add_argument("--max-rounds", type=int, default=8, help="rounds per CO2-engine run, at most")
+    parser.add_argument("--ddp-steps", type=int, default=8)
+    parser.add_argument("--limit-steps", type=int, default=12, help="steps of each no_comm run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every method per block (--table: median)")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: gloo, one core per rank. cuda: one GPU per rank (GPU LOCAL_RANK of its node), default "
+        "group NCCL, CO2's state on the GPU; every node is on this machine, so a block of N ranks needs N GPUs",
+    )
+    parser.add_argument("--budget-min", type=float, default=60.0, help="refuse a plan estimated above this")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces (unshaped only, no root)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    parser.add_argument("--plot", help="write the PNG plot here")
+    parser.add_argument("--table", help="print the Markdown table of a JSONL written by --out, and exit")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = set(args.methods) - set(METHODS)
+    if unknown or args.ranks % args.ranks_per_node or args.ranks < 2:
+        parser.error(f"methods must be among {METHODS}; --ranks >= 2, a multiple of --ranks-per-node")
+    if "co2_node" in args.methods and (args.ranks_per_node < 2 or args.extras):
+        parser.error("--methods co2_node makes each node one worker: it needs --ranks-per-node >= 2 and --no-extras")
+    if args.loopback and (args.rates != ["unshaped"] or args.extras):
+        parser.error("--loopback cannot shape: use --rates unshaped --no-extras")
+    for rate in args.rates:
+        rate_bps(rate)
+    return args
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every finally: workers killed, links removed
+
+
+def _gpus(blocks, *, dry_run: bool) -> list[str]:
+    """The GPUs to hand out with --device cuda, refused before any rank starts when too few; a dry
+    run only notes the shortfall, since it is often read on another machine than the one it plans."""
+    available, needed = torch.cuda.device_count(), max(block.ranks for block in blocks)
+    if dry_run and available < needed:
+        print(f"# --device cuda: the plan needs {needed} GPUs, torch sees {available} here", flush=True)
+    elif not dry_run:
+        check_gpus(blocks, available)
+    return visible_gpus(max(available, needed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if args.table:
+        lines = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        return print(markdown_table(lines))
+    blocks = build_plan(args)
+    total = sum(estimate_block_s(b) for b in blocks)
+    print(
+        f"# plan: {len(blocks)} blocks, {sum(len(b.runs) for b in blocks)} runs, estimated "
+        f"{total / 60:.0f} min (budget {args.budget_min:g} min)",
+        flush=True,
+    )
+    if total > 60 * args.budget_min:
+        sys.exit("the estimate exceeds --budget-min: lower --min-steps, --ddp-steps or the matrix")
+    gpus = _gpus(blocks, dry_run=args.dry_run) if args.device == "cuda" else []
+    if args.dry_run:
+        return print_dry_run(blocks, args.mtu, args.device, gpus)
+    if not args.loopback:
+        check_privileges()
+        remove_stale_namespaces()
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        lines = run_plan(blocks, args, gpus)
+    finally:  # main() may run inside another program (the tests)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.plot and lines:
+        plot(lines, args.plot, ranks=args.ranks, model=args.model)

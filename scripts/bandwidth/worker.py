@@ -1,0 +1,123 @@
+"""Inside a rank: time the all-reduce alone (the probe), then train every run of the block in turn.
+
+A rank is a process that ``bench_bandwidth.py --worker SPEC`` starts (inside its node's namespace);
+it reads the block from the JSON spec, its place from the environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT: see ``plan.rank_env``) and writes one JSON file per run, which the launcher waits
+for. With ``--device cuda`` it binds GPU LOCAL_RANK before the default group (NCCL) starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..bench_overlap import SEQ
+from ..scaling_model import gpt2_params
+from .plan import CO2_SETTINGS, MODELS, Run, backend_and_device
+
+
+def build_model(cfg: dict, seed: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(**cfg))
+
+
+def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_node: int = 1) -> dict:
+    """One method for tau x rounds steps; per-step times, for the CO2 engine the waits per boundary,
+    and the bytes this rank's node sent over its link (its veth's tx counter; None on loopback).
+    ``device``: ``cpu`` or this rank's ``cuda:<local rank>``."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from co2_hf import CO2, CO2Config
+
+    model = build_model(cfg, seed=rank).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    co2 = None
+    if run.method == "ddp":
+        on_gpu = device.startswith("cuda")
+        model = DistributedDataParallel(model, device_ids=[torch.device(device).index] if on_gpu else None)
+    elif run.method in CO2_SETTINGS:
+        k = ranks_per_node if run.method == "co2_node" else 1
+        settings = CO2Config(co2_local_steps=run.tau, co2_worker_size=k, **CO2_SETTINGS[run.method])
+        co2 = CO2(model, settings, optimizer=optimizer)
+    gen = torch.Generator().manual_seed(rank)
+    tx_start = _link_tx_bytes()
+    times, waits, comms = [], [], []
+    for _ in range(run.tau * run.rounds):
+        tokens = torch.randint(0, cfg["vocab_size"], (batch, SEQ), generator=gen).to(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        if co2 is not None:
+            co2.average_gradients()  # inside a worker of several ranks (co2_node); else nothing
+        optimizer.step()
+        boundary = co2 is not None and co2.step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()  # a step's wall time is its kernels' time, not their launch
+        times.append(time.perf_counter() - start)
+        if boundary:
+            waits.append(co2.last_wait_s)
+            comms.append(co2.last_comm_s)
+    if co2 is not None:
+        co2.finalize()  # the last round's all-reduce completes: every round's bytes are counted
+    tx = _link_tx_bytes()
+    # the load average shows whether anything else ran on the machine during the run
+    return {
+        "times": times,
+        "waits": waits,
+        "comms": comms,
+        "load_1m": os.getloadavg()[0],
+        "link_tx_bytes": tx - tx_start if tx is not None else None,
+    }
+
+
+def _link_tx_bytes() -> int | None:
+    """Bytes sent so far through this node's link (the namespace's veth); None on loopback."""
+    device = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if device == "lo":
+        return None
+    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)  # the parent never reads half a file
+
+
+def worker(spec_path: str) -> None:
+    """A rank: time the all-reduce alone (the probe), then every run of the block in order."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from ..bench_overlap import allreduce_alone
+
+    spec = json.loads(Path(spec_path).read_text())
+    out, cfg = Path(spec["out_dir"]), MODELS[spec["model"]]
+    torch.set_num_threads(1)  # the ranks share the cores; gloo's threads compete with compute anyway
+    rank = int(os.environ["RANK"])
+    backend, device = backend_and_device(spec["device"], int(os.environ["LOCAL_RANK"]))
+    bound = {}
+    if backend == "nccl":  # bind the GPU first: NCCL then never guesses (or duplicates) a device
+        torch.cuda.set_device(device)
+        bound = dict(device_id=torch.device(device))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["timeout_s"]), **bound)
+    probe = allreduce_alone(gpt2_params(cfg), 3, device=device)
+    _write_json(out / f"probe.rank{rank}.json", {"allreduce_alone_s": probe})
+    batch = spec["batch"]
+    train(Run("no_comm", 1, 4), cfg, rank, device, batch)  # untimed: first calls are slow everywhere
+    for i, run in enumerate(spec["runs"]):
+        dist.barrier()  # every run starts together
+        result = train(Run(**run), cfg, rank, device, batch, spec["ranks_per_node"])
+        _write_json(out / f"run{i}.rank{rank}.json", result)
+    dist.barrier()
+    dist.destroy_process_group()
