@@ -32,7 +32,7 @@ What CO2Trainer changes, each a few lines around ``super()``:
 
 The private Trainer methods overridden (``_prepare_for_training``, ``_finalize_training``, ``_save``,
 ``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``) are those of
-transformers 5.x; tests/test_trainer_contract.py checks that they exist with these signatures and
+transformers 5.x; a test in tests/test_trainer.py checks that they exist with these signatures and
 that ``_save_checkpoint`` takes its folder, pushes and rotates the way this module relies on.
 """
 
