@@ -220,3 +220,97 @@ def test_push_to_hub_uploads_the_anchor_folder_with_the_card(tmp_path, monkeypat
     assert repo == "someone/co2-tiny"
     assert {"config.json", "model.safetensors", "co2_config.json", "README.md"} <= set(files)
     assert "arxiv:2401.16265" in card and "## Trained with CO2" in card
+
+
+@pytest.mark.timeout(60)
+def test_one_process_driving_several_gpus_is_refused_naming_the_launch(tmp_path, monkeypatch):
+    """Plain ``python train.py`` on a multi-GPU node: the Trainer would use nn.DataParallel."""
+    from transformers import TrainingArguments
+
+    args = make_args(str(tmp_path))
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    launch = r"n_gpu=2.*nn\.DataParallel.*accelerate launch --num_processes 2.*torchrun --nproc_per_node 2"
+    with pytest.raises(ValueError, match=launch):
+        make_args(str(tmp_path))
+    with pytest.raises(ValueError, match=launch):  # args made before the GPUs were seen: the Trainer refuses
+        CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    assert make_args(str(tmp_path), co2_enabled=False).n_gpu == 2  # the plain Trainer keeps DataParallel
+
+
+@pytest.mark.timeout(60)
+def test_settings_changed_behind_the_users_back_are_warned_once_with_why(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        make_args(str(tmp_path), ddp_find_unused_parameters=True, ddp_bucket_cap_mb=25)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    expected = {
+        "average_tokens_across_devices turned off: it all-gathers": 1,
+        "ddp_timeout not set, so it follows co2_timeout_s: 900 s instead of the Trainer's 1800 s": 1,
+        "ddp_find_unused_parameters=True, ddp_bucket_cap_mb=25 have no effect": 1,
+        "CO2 with a single worker (1 process(es), co2_worker_size=1): there is nobody to average with": 1,
+    }
+    for words, count in expected.items():
+        assert sum(words in m for m in said) == count, (words, said)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        make_args(str(tmp_path), ddp_timeout=60, co2_enabled=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    with caplog.at_level("WARNING", logger="co2_hf"):  # dispatch_batches unset -> False matters for these
+        CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path)), train_dataset=dataset(16).to_iterable_dataset())
+    assert "the iterable train dataset is not dispatched from rank 0" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_runs_on_the_anchor_and_gives_the_live_weights_back_exactly(tmp_path):
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 6:  # mid-round (tau 4): live != anchor
+                seen["live"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+                seen["anchor"] = {k: v.clone() for k, v in trainer.co2.anchor_state().items()}
+
+        def on_evaluate(self, args, state, control, **kw):
+            if state.global_step == 6:  # (the last step evaluates too)
+                seen["during"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 6:
+                seen["after"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    args = make_args(str(tmp_path), eval_strategy="steps", eval_steps=6, max_steps=8)
+    trainer = CO2Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(16, seed=1), callbacks=[Watch()]
+    )
+    trainer.train()
+    assert any(not torch.equal(v, seen["anchor"][k]) for k, v in seen["live"].items())
+    assert all(torch.equal(seen["during"][k], v) for k, v in seen["anchor"].items())
+    assert all(torch.equal(seen["after"][k], v) for k, v in seen["live"].items())
+
+
+# the private Trainer methods CO2Trainer overrides or calls, with the parameters it relies on
+PRIVATE_TRAINER_API = {
+    "_prepare_for_training": ["self", "max_steps", "train_dataloader", "resume_from_checkpoint"],
+    "_finalize_training": ["self", "trial", "num_train_samples", "start_time"],
+    "_save": ["self", "output_dir", "state_dict"],
+    "_save_checkpoint": ["self", "model", "trial"],
+    "_get_output_dir": ["self", "trial"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_push_from_checkpoint": ["self", "checkpoint_folder"],
+}
+
+
+@pytest.mark.timeout(30)
+def test_the_private_trainer_methods_co2_relies_on_exist_in_the_installed_transformers():
+    import inspect
+
+    from transformers import Trainer
+
+    for name, parameters in PRIVATE_TRAINER_API.items():
+        assert list(inspect.signature(getattr(Trainer, name)).parameters) == parameters, name
+    # the checkpoint folder comes from _get_output_dir, the push and rotation after every file is written
+    source = inspect.getsource(Trainer._save_checkpoint)
+    order = ["self._get_output_dir(", "self.state.save_to_json(", "self._push_from_checkpoint(", "rotate_checkpoints("]
+    positions = [source.find(call) for call in order]
+    assert -1 not in positions and positions == sorted(positions), dict(zip(order, positions))

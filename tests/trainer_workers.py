@@ -216,3 +216,4 @@ def two_process_suite(rank: int, world: int, out: str) -> dict:
         "disabled": disabled_versus_plain(rank, world, out + "/dp"),
         "resume": uninterrupted_and_stopped(rank, world, out + "/resume"),
     }
+

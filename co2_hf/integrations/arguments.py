@@ -9,8 +9,20 @@ divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout
 
 FSDP2 (``--fsdp`` with ``fsdp_config`` version 2, the default) together with ``co2_worker_size = k
 > 1`` shards the model inside each worker: the Trainer's own FSDP, which would shard across every
-process, is turned off here, and `CO2Trainer` applies ``fully_shard`` over the worker's k processes
-itself (`_take_over_fsdp2`).
+process, is turned off here, its settings move to the public field ``worker_fsdp`` and `CO2Trainer`
+applies ``fully_shard`` over the worker's k processes itself (`_take_over_fsdp2`).
+
+What CO2 changes in the user's settings is logged at WARNING once, with why:
+``average_tokens_across_devices`` is turned off, ``ddp_timeout`` follows ``co2_timeout_s``, the
+``ddp_*`` flags of DDP have no effect (CO2 does not use DDP), and a run with a single worker has
+nobody to average with.
+
+``__post_init__`` calls ``super().__post_init__()``, so the class mixes with other
+``TrainingArguments`` subclasses (TRL's ``SFTConfig``) in either base-class order::
+
+    @dataclass
+    class CO2SFTConfig(CO2TrainingArguments, SFTConfig):  # or (SFTConfig, CO2TrainingArguments)
+        pass
 """
 
 from __future__ import annotations
@@ -49,27 +61,88 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         },
     )
 
+    # Set by __post_init__, not a flag: with --fsdp (FSDP2) and co2_worker_size = k > 1, what CO2Trainer
+    # needs to shard the model over the k processes of each worker (the Trainer's own fsdp and
+    # fsdp_config are cleared, as they would shard across workers)
+    worker_fsdp: dict | None = field(
+        default=None,
+        init=False,
+        metadata={
+            "help": "Set by CO2 from --fsdp/--fsdp_config when co2_worker_size > 1: {'layer_classes': [...], "
+            "'reshard_after_forward': bool}, the FSDP2 sharding CO2Trainer applies inside each worker."
+        },
+    )
+
     def __post_init__(self) -> None:
         # CO2's own checks first: they need no device and no process group (TrainingArguments'
         # __post_init__ sets up the device, which creates the default group)
         self.validate_co2()
         _use_cpu_without_accelerator(self)
-        self._co2_fsdp2: dict | None = None
         if self.co2_enabled:
-            self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
-            self._co2_fsdp2 = _take_over_fsdp2(self)
+            workers = self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+            self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
-        if self.ddp_timeout is None:
-            self.ddp_timeout = math.ceil(self.co2_timeout_s) if self.co2_enabled else TRAINER_DDP_TIMEOUT
-        TrainingArguments.__post_init__(self)
-        if self.co2_enabled:
-            _turn_off_per_step_collectives(self)
-            if self.hub_strategy == "checkpoint":
-                warnings.warn(
-                    "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
-                    "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
-                    stacklevel=2,
-                )
+        follows = self.co2_enabled and not _ddp_timeout_given(self)
+        if follows:
+            self.ddp_timeout = math.ceil(self.co2_timeout_s)
+        elif self.ddp_timeout is None:
+            self.ddp_timeout = TRAINER_DDP_TIMEOUT
+        super().__post_init__()  # cooperative: an SFTConfig (or other) base runs its own checks too
+        if not self.co2_enabled:
+            return
+        refuse_data_parallel(self)
+        off = _turn_off_per_step_collectives(self)
+        _warn_changed_settings(self, ddp_timeout_followed=follows, token_average_off=off, workers=workers)
+
+
+def _warn_changed_settings(
+    args: CO2TrainingArguments, *, ddp_timeout_followed: bool, token_average_off: bool, workers: int
+) -> None:
+    """What CO2 changed or made useless, at WARNING once (rank 0; the other ranks at INFO), with why."""
+    warn = logger.warning if args.process_index == 0 else logger.info
+    if ddp_timeout_followed:
+        warn(
+            f"CO2: ddp_timeout not set, so it follows co2_timeout_s: {args.ddp_timeout} s instead of the "
+            f"Trainer's {TRAINER_DDP_TIMEOUT} s, so that a rank blocked behind a dead peer in the default "
+            "group (the loss gather at logging steps, save barriers) stops as soon as CO2's own wait does. "
+            "Pass --ddp_timeout to choose."
+        )
+    if token_average_off:
+        warn(
+            "CO2: average_tokens_across_devices turned off: it all-gathers the token count across every "
+            "process at every step, a collective over the slow link that CO2 exists to avoid; each "
+            "process normalises its loss by its own token count"
+        )
+    given = {name: getattr(args, name) for name in DDP_FLAGS if getattr(args, name, None) is not None}
+    if given:
+        warn(
+            f"CO2: {', '.join(f'{k}={v!r}' for k, v in given.items())} ha{'s' if len(given) == 1 else 've'} no "
+            "effect: CO2 does not wrap the model in DistributedDataParallel (workers train alone between "
+            "round boundaries, and CO2 averages the gradients itself during co2_sync_warmup_steps)"
+        )
+    if workers == 1:
+        warn(
+            f"CO2 with a single worker ({args.world_size} process(es), co2_worker_size={args.co2_worker_size}): "
+            "there is nobody to average with, so the outer step only replays this worker's own progress. "
+            "Launch several processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N), "
+            "or pass --co2_enabled false."
+        )
+    if args.hub_strategy == "checkpoint":
+        warnings.warn(
+            "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
+            "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
+            stacklevel=4,
+        )
+
+
+def _ddp_timeout_given(args: CO2TrainingArguments) -> bool:
+    """Whether the user set ``ddp_timeout``. Mixed in after another TrainingArguments subclass
+    (``class C(SFTConfig, CO2TrainingArguments)``), that class's copy of the field, default 1800,
+    wins over ours (None): there the Trainer's default value counts as not set."""
+    if args.ddp_timeout is None:
+        return False
+    shadowed = type(args).__dataclass_fields__["ddp_timeout"].default == TRAINER_DDP_TIMEOUT
+    return not (shadowed and args.ddp_timeout == TRAINER_DDP_TIMEOUT)
 
 
 def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
@@ -77,7 +150,10 @@ def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
     set up one independent process each (world size 1): every replica would train alone."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not args.use_cpu and not torch.accelerator.is_available():
-        logger.warning("no GPU or other accelerator found: training on the CPU (use_cpu=True)")
+        logger.warning(
+            "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
+            "set up each launched process as an independent run of its own (world size 1)"
+        )
         args.use_cpu = True
 
 
@@ -139,7 +215,11 @@ def _take_over_fsdp2(args: CO2TrainingArguments) -> dict | None:
         "reshard_after_forward": bool(config.get("reshard_after_forward", "shard_grad_op" not in options)),
     }
     args.fsdp, args.fsdp_config = None, None  # the Trainer's FSDP would shard across every process
-    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    if env_fsdp:
+        # No other way: `accelerate launch --use_fsdp` asks for FSDP through this variable only, and
+        # Accelerate's state, created by TrainingArguments.__post_init__ right after this, reads it
+        # (no argument overrides it); left "true", Accelerate would shard across every process.
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
     return take
 
 
@@ -179,10 +259,26 @@ def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
     args.accelerator_config = config
 
 
-def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> None:
-    if args.average_tokens_across_devices:
-        logger.info("CO2: average_tokens_across_devices turned off (it gathers at every step)")
-        args.average_tokens_across_devices = False
+def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> bool:
+    """``average_tokens_across_devices`` gathers at every step: off. Whether it was on."""
+    was_on = bool(args.average_tokens_across_devices)
+    args.average_tokens_across_devices = False
+    return was_on
+
+
+DDP_FLAGS = ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph")
+
+
+def refuse_data_parallel(args) -> None:
+    """One process driving several GPUs: the Trainer would wrap the model in ``nn.DataParallel``
+    (``n_gpu > 1``), WORLD_SIZE is 1, and CO2 would run one worker with nobody to average with."""
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"CO2 needs one process per GPU, but this single process sees n_gpu={args.n_gpu} and the Trainer "
+            "would wrap the model in nn.DataParallel (one CO2 worker, nobody to average with). Launch one "
+            f"process per GPU: accelerate launch --num_processes {args.n_gpu} train.py ..., or torchrun "
+            f"--nproc_per_node {args.n_gpu} train.py ... (or pass --co2_enabled false)."
+        )
 
 
 def _follow_ddp_timeout(args: CO2TrainingArguments) -> None:

@@ -4,17 +4,24 @@ Swap ``Trainer`` for ``CO2Trainer`` and ``TrainingArguments`` for ``CO2TrainingA
 ``--co2_*`` flag of `CO2Config` is then accepted beside the usual ones. ``--co2_enabled false``
 runs the very same script as the plain Trainer (data parallel), the baseline.
 
+Beside another Trainer subclass (TRL's ``SFTTrainer``, a project's own), compose the two: every
+override here calls ``super()``, so ``class CO2SFTTrainer(CO2Trainer, SFTTrainer)`` trains that
+subclass with CO2 (put CO2Trainer first: its ``training_step``, ``evaluate`` and saving then wrap
+the other class's). The arguments class mixes the same way (see ``arguments.py``).
+
 What CO2Trainer changes, each a few lines around ``super()``:
 
 - the model is placed, autocast and compiled by Accelerate but **not** wrapped in DDP: workers
   train alone, and no collective crosses workers between two logging steps (`_prepare_for_training`);
+  metric gathers inside a training step (``accelerator.gather_for_metrics``, e.g. TRL's entropy and
+  token accuracy) are made local to each process (`training_step`);
 - one ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included (`_CO2StepCallback`);
 - logs carry the ``co2/*`` metrics (`log`); evaluation runs on the anchor (`evaluate`);
 - the saved model is the anchor, checkpoints add each rank's own state (`_save`, `_save_checkpoint`),
-  and ``resume_from_checkpoint`` restores it exactly (`_restore_co2`);
+  and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`);
 - a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
-  from (`_save_checkpoint`, `_load_from_checkpoint`);
+  from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`);
 - ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
   where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
 - training ends with ``CO2.finalize()`` (`_finalize_training`);
@@ -22,27 +29,34 @@ What CO2Trainer changes, each a few lines around ``super()``:
   over the k processes of each worker before the optimizer is made (`_shard_inside_workers`); each
   rank's checkpoint file then holds its own shards, and evaluation writes the anchor into the
   shards for its duration (FSDP2 gathers them itself).
+
+The private Trainer methods overridden (``_prepare_for_training``, ``_finalize_training``, ``_save``,
+``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``) are those of
+transformers 5.x; a test in tests/test_trainer.py checks that they exist with these signatures and
+that ``_save_checkpoint`` takes its folder, pushes and rotates the way this module relies on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
+import logging
 import os
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from ..config import CO2Config
 from ..core import CO2
 from . import checkpoint, model_card
-from .arguments import CO2TrainingArguments, _follow_ddp_timeout
+from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
+
+logger = logging.getLogger(__name__)
 
 
 class _CO2StepCallback(TrainerCallback):
@@ -62,7 +76,10 @@ class CO2Trainer(Trainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not all(hasattr(self.args, f.name) for f in dataclasses.fields(CO2Config)):
-            raise TypeError("CO2Trainer needs CO2TrainingArguments (or any args with the co2_* fields)")
+            raise TypeError(
+                "CO2Trainer needs CO2TrainingArguments (or any args with the co2_* fields; beside TRL, a "
+                "dataclass deriving from both CO2TrainingArguments and the TRL config, e.g. SFTConfig)"
+            )
         expected = int(os.environ.get("WORLD_SIZE", "1"))
         if self.args.world_size != expected:
             raise RuntimeError(
@@ -71,28 +88,69 @@ class CO2Trainer(Trainer):
             )
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
+        self._warned_local_gathers = False
         if self.co2_config is not None:
+            refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
             self.add_callback(_CO2StepCallback(self))
             _follow_ddp_timeout(self.args)
+            self._warn_iterable_not_dispatched()
+
+    def _warn_iterable_not_dispatched(self) -> None:
+        """CO2TrainingArguments sets ``dispatch_batches`` to False; unset, Accelerate would have
+        dispatched an iterable dataset's batches from rank 0 (a broadcast at every step)."""
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.is_world_process_zero():
+            logger.warning(
+                "CO2: the iterable train dataset is not dispatched from rank 0 (accelerator_config.dispatch_batches="
+                "False: dispatching broadcasts every batch at every step); each process iterates it and keeps its "
+                "own share of the batches. Shard the stream per process (datasets.distributed.split_dataset_by_node) "
+                "so that each reads only its part."
+            )
 
     # ------------------------------------------------------------------ training
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train``; a CO2 checkpoint is checked to be complete before any file is read."""
+        if self.co2_config is not None and resume_from_checkpoint not in (None, False):
+            if resume_from_checkpoint is True:  # the Trainer's own lookup; None: let it raise its error
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+            if resume_from_checkpoint is not True:
+                self._check_resumable(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _check_resumable(self, directory: str) -> None:
+        """An incomplete, copied or mismatched checkpoint is refused, saying why (`check_complete`)."""
+        step = _saved_step(directory)
+        checkpoint.check_complete(directory, self.args.process_index, self.args.world_size, step=step)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        # the Trainer's one place where the optimizer is made, the model prepared and a checkpoint's
+        # optimizer loaded: CO2 is built right after, and restores its own state over them
         if self.co2_config is None:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        fsdp2 = getattr(self.args, "_co2_fsdp2", None)
-        if fsdp2 is not None:
-            self._shard_inside_workers(fsdp2)
-        with _without_ddp(self.accelerator):
-            model, train_dataloader = super()._prepare_for_training(
-                max_steps, train_dataloader, resume_from_checkpoint
-            )
+        fsdp = getattr(self.args, "worker_fsdp", None)
+        if fsdp is not None:
+            self._shard_inside_workers(fsdp)
+        self._prepare_without_ddp()
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # would all-reduce at every step
+            raise RuntimeError("CO2: the Trainer wrapped the model in DistributedDataParallel; please report this")
         self.co2 = CO2(self.model, self.co2_config, optimizer=self._inner_optimizer())
         if resume_from_checkpoint is not None:
             self._restore_co2(resume_from_checkpoint)
         return model, train_dataloader
 
-    def _shard_inside_workers(self, fsdp2: dict) -> None:
+    def _prepare_without_ddp(self) -> None:
+        """Let Accelerate place, autocast and compile the model, but not wrap it in DDP.
+
+        ``Accelerator.prepare_model(..., evaluation_mode=True)`` is Accelerate's public path for a
+        model that handles its gradient reduction itself (the Trainer uses it for models sharded at
+        load time). Accelerate never prepares a model twice, so the Trainer's own ``prepare`` call
+        that follows leaves this one as it is and prepares the optimizer only.
+        """
+        if self.model_wrapped is self.model:  # not wrapped yet (a second train() finds it prepared)
+            self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+
+    def _shard_inside_workers(self, fsdp: dict) -> None:
         """FSDP2 over the processes of this worker: each layer of the configured (or the model's
         ``_no_split_modules``) classes, then the root. Before the optimizer exists, so that it is
         made over the sharded parameters; once only (a second ``train()`` finds it sharded)."""
@@ -108,8 +166,8 @@ class CO2Trainer(Trainer):
                 "Trainer create it (do not pass optimizers=...)"
             )
         mesh = worker_mesh(self.args.co2_worker_size, self.args.device.type)
-        layers = set(fsdp2["layer_classes"] or getattr(self.model, "_no_split_modules", None) or [])
-        reshard = fsdp2["reshard_after_forward"]
+        layers = set(fsdp["layer_classes"] or getattr(self.model, "_no_split_modules", None) or [])
+        reshard = fsdp["reshard_after_forward"]
         for module in list(self.model.modules())[1:]:
             if type(module).__name__ in layers:
                 fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
@@ -119,12 +177,46 @@ class CO2Trainer(Trainer):
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.co2 is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self._local_metric_gathers():
+            loss = super().training_step(model, inputs, num_items_in_batch)
         # before clipping: every process during co2_sync_warmup_steps (plain data parallel), then
         # the k processes of a worker when co2_worker_size = k > 1; nothing otherwise
-        if self.co2 is not None and self.accelerator.sync_gradients:
+        if self.accelerator.sync_gradients:
             self.co2.average_gradients()
         return loss
+
+    @contextlib.contextmanager
+    def _local_metric_gathers(self):
+        """During a training step, ``accelerator.gather_for_metrics`` returns this process's value.
+
+        Trainer subclasses gather per-step metrics in ``compute_loss`` (TRL's SFTTrainer: the token
+        count, entropy and mean token accuracy, at every step): a collective across workers on every
+        step, the very thing CO2 removes. They have no switch for it, so this one method of this
+        trainer's accelerator is replaced for the step (evaluation still gathers as usual).
+        """
+        accelerator = self.accelerator
+        own = vars(accelerator).get("gather_for_metrics")
+
+        def local(data, use_gather_object=False):
+            if not self._warned_local_gathers and self.is_world_process_zero():
+                logger.warning(
+                    "CO2: a metric gathered inside the training step (accelerator.gather_for_metrics, e.g. TRL's "
+                    "num_tokens, entropy, mean_token_accuracy) is kept local to each process: gathering it would "
+                    "put a collective across workers on every step. Logged values are rank 0's own."
+                )
+            self._warned_local_gathers = True
+            return data
+
+        accelerator.gather_for_metrics = local
+        try:
+            yield
+        finally:
+            if own is None:
+                del accelerator.gather_for_metrics  # the class's method again
+            else:
+                accelerator.gather_for_metrics = own
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         if self.co2 is not None:
@@ -143,22 +235,21 @@ class CO2Trainer(Trainer):
     def evaluate(self, *args, **kwargs):
         """Evaluate the anchor (the model all workers share), not this rank's local model.
 
-        The anchor is swapped in without a copy (as ``torch.func.functional_call`` does) and the
-        random number generators are restored afterwards, so training continues exactly as if no
-        evaluation had run.
+        The anchor is copied into the live tensors for the evaluation and their own values are
+        copied back after (`CO2.anchor_in_place`, one copy of the model in memory; it works with
+        host-memory state and FSDP2 shards alike), and the random number generators are restored,
+        so training continues exactly as if no evaluation had run.
         """
         if self.co2 is None:
             return super().evaluate(*args, **kwargs)
-        # FSDP2 gathers its own shards in forward: the anchor must be in them, not swapped in
-        on_anchor = self.co2.anchor_in_place() if self.co2.layout.presharded else _on_anchor(self.model, self.co2)
-        with on_anchor, _rng_untouched():
+        with self.co2.anchor_in_place(), _rng_untouched():
             return super().evaluate(*args, **kwargs)
 
     # ------------------------------------------------------------------ saving and resuming
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # with co2_worker_size > 1 the anchor is all-gathered inside the worker: every rank joins
-        needs_gather = self.co2 is not None and self.co2.layout.worker_size > 1
+        needs_gather = self.co2 is not None and self.co2_config.co2_worker_size > 1
         if self.co2 is not None and state_dict is None and (self.args.should_save or needs_gather):
             state_dict = checkpoint.anchor_for_saving(self.co2)
         super()._save(output_dir, state_dict=state_dict)
@@ -173,38 +264,60 @@ class CO2Trainer(Trainer):
             self._write_model_card(directory)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, written into a staging
-        folder and published as ``checkpoint-N`` only when complete (`checkpoint.publish`)."""
+        """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, published as ``checkpoint-N``
+        only when complete.
+
+        The Trainer writes into ``_co2_staging/checkpoint-N`` (its run folder is the staging area for
+        this call: `_get_output_dir`), with its Hub push held; `checkpoint.publish` then writes the
+        manifest and renames the folder. Only then do the Trainer's rotation and push run, on the
+        published folder: rotation never deletes a good checkpoint for one that is not complete, and
+        the background upload never reads a folder about to be renamed.
+
+        Why not let the Trainer write ``checkpoint-N`` in place, with the manifest as its commit mark
+        written after ``super()``? Because the Trainer pushes and rotates at the end of its own
+        ``_save_checkpoint``, before any point where CO2's files could follow: the push would upload,
+        and rotation (``save_total_limit=1``: deleting the last good checkpoint) would count, a folder
+        without its manifest, and ``get_last_checkpoint`` (``resume_from_checkpoint=True``) would pick
+        a save killed halfway. Staged, an incomplete save is simply not a ``checkpoint-*`` folder.
+        """
         if self.co2_config is None:
             return super()._save_checkpoint(model, trial)
         args = self.args
         run_dir = self._get_output_dir(trial)
-        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
         # with per-node disks (save_on_each_node) each node's local rank 0 publishes its own copy
         leader = args.process_index - args.local_process_index if args.save_on_each_node else 0
         staging = checkpoint.begin_save(final, is_leader=args.process_index == leader)
         with self._saving_into(os.path.dirname(staging)):
             super()._save_checkpoint(model, trial)
-        if self.co2 is not None and not args.save_only_model:
+        self._save_rank_file(staging)
+        self._point_best_checkpoint_at(staging, final)
+        step, rank = self.state.global_step, args.process_index
+        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
+        self._rotate_and_push(run_dir, final)
+
+    def _save_rank_file(self, staging: str) -> None:
+        if self.co2 is not None and not self.args.save_only_model:
             checkpoint.save_rank_state(
                 staging,
-                args.process_index,
+                self.args.process_index,
                 co2=self.co2,
                 model=self.model,
                 optimizer=self._inner_optimizer(),
                 scaler=getattr(self.accelerator, "scaler", None),
             )
-        self._point_best_checkpoint_at(staging, final)
-        step, rank = self.state.global_step, args.process_index
-        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
-        if args.should_save:  # the Trainer's own rotation ran inside the staging area, on one folder
+
+    def _rotate_and_push(self, run_dir: str, final: str) -> None:
+        """What the Trainer's ``_save_checkpoint`` ends with, the same calls, on the published folder
+        (inside the staging area its rotation saw one folder, and its push was held)."""
+        if self.args.should_save:
             rotate_checkpoints(
                 output_dir=run_dir,
-                save_total_limit=args.save_total_limit,
+                save_total_limit=self.args.save_total_limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
-        if args.push_to_hub:
+        if self.args.push_to_hub:
             self._push_from_checkpoint(final)
 
     def _get_output_dir(self, trial) -> str:
@@ -231,19 +344,8 @@ class CO2Trainer(Trainer):
         if self.args.should_save:
             self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self.co2_config is not None and model is None:
-            # before any file is read: an incomplete or mismatched checkpoint is refused, clearly
-            checkpoint.check_complete(
-                resume_from_checkpoint,
-                self.args.process_index,
-                self.args.world_size,
-                step=_saved_step(resume_from_checkpoint),
-            )
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
-        if checkpoint_dir is None or getattr(self.args, "_co2_fsdp2", None) is None:
+        if checkpoint_dir is None or getattr(self.args, "worker_fsdp", None) is None:
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
         # FSDP2: optimizer.pt holds rank 0's shards only; every rank's own optimizer state comes
         # back from its co2_rank{r}.pt right after (`_restore_co2`). The schedule is shared.
@@ -286,29 +388,6 @@ def _saved_step(directory: str) -> int | None:
         return None
     with open(path) as f:
         return json.load(f).get("global_step")
-
-
-@contextlib.contextmanager
-def _without_ddp(accelerator):
-    """Let Accelerate place, autocast and compile the model, but not wrap it in DDP.
-
-    ``prepare_model(..., evaluation_mode=True)`` is Accelerate's own path for a model that handles
-    its gradient reduction itself (Trainer uses it for models sharded at load time).
-    """
-    original = accelerator.prepare_model
-    accelerator.prepare_model = functools.partial(original, evaluation_mode=True)
-    try:
-        yield
-    finally:
-        accelerator.prepare_model = original
-
-
-@contextlib.contextmanager
-def _on_anchor(model: torch.nn.Module, co2: CO2):
-    from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
-
-    with _reparametrize_module(model, co2.anchor_state(), tie_weights=True, strict=False):
-        yield
 
 
 @contextlib.contextmanager
