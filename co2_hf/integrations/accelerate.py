@@ -32,7 +32,7 @@ state), which a registered checkpoint object restores after Accelerate has loade
 manifest that ``load_state`` checks (a plain ``accelerator.save_state`` folder has none).
 
 FSDP2 inside a worker (``co2_worker_size = k``): shard the model with ``fully_shard(module,
-mesh=co2_hf.core.worker_mesh(k))`` before making the optimizer, and prepare it with
+mesh=co2_hf.core.worker_mesh(k, timeout_s=co2_timeout_s))`` before making the optimizer, and prepare it with
 ``accelerator.prepare_model(model, evaluation_mode=True)`` (no DDP: FSDP2 averages the worker's
 gradients). Checkpoints then hold each rank's own shards; the model file is the whole anchor.
 """
@@ -285,7 +285,8 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
             f"CO2Accelerate does not support Accelerate's {accelerator.distributed_type.value}: it shards "
             "across every process, that is across CO2 workers. To shard inside each worker of "
             "co2_worker_size=k processes, apply FSDP2 yourself: fully_shard(module, "
-            "mesh=co2_hf.core.worker_mesh(k)), then accelerator.prepare_model(model, evaluation_mode=True)"
+            "mesh=co2_hf.core.worker_mesh(k, timeout_s=co2_timeout_s)), then "
+            "accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
 

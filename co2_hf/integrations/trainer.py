@@ -165,7 +165,7 @@ class CO2Trainer(Trainer):
                 "FSDP2 inside a CO2 worker shards the model before the optimizer is made: let the "
                 "Trainer create it (do not pass optimizers=...)"
             )
-        mesh = worker_mesh(self.args.co2_worker_size, self.args.device.type)
+        mesh = worker_mesh(self.args.co2_worker_size, self.args.device.type, timeout_s=self.args.co2_timeout_s)
         layers = set(fsdp["layer_classes"] or getattr(self.model, "_no_split_modules", None) or [])
         reshard = fsdp["reshard_after_forward"]
         for module in list(self.model.modules())[1:]:
