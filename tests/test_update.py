@@ -217,3 +217,29 @@ def test_nesterov_clip_bounds_momentum_not_the_gradient_term():
     v = _step(ref, {"w": d}, stale=False)["w"]
     torch.testing.assert_close(ref.momentum["w"], torch.tensor([0.6, 0.8], **f64))
     torch.testing.assert_close(v, 0.5 * ref.momentum["w"] + d)
+
+
+@pytest.mark.parametrize(
+    ("settings", "rule"),
+    [
+        (dict(), "AnchorStart"),
+        (dict(co2_start_rule="eager"), "EagerStart"),
+        (dict(co2_start_rule="lookahead"), "LookaheadStart"),
+        (dict(co2_start_rule="eager", co2_overlap=False), "AnchorStart"),  # no overlap: nothing to anticipate
+    ],
+)
+def test_the_start_rule_is_picked_once_from_its_table(settings, rule):
+    from co2_hf.core.rules import make_start_rule
+
+    start = make_start_rule(CO2Config(**settings), torch.zeros(3), 3, dtype=torch.float32)
+    assert type(start).__name__ == rule
+    assert (start.offset is None) == (rule == "AnchorStart")  # the anchor rule holds no memory
+
+
+def test_the_round_schedule_says_what_is_due_after_each_step():
+    from co2_hf.core.schedule import Event, RoundSchedule
+
+    full = RoundSchedule(local_steps=3, overlap_steps=None)
+    assert [full.due(s) for s in (1, 2, 3)] == [(), (), (Event.BOUNDARY,)]
+    window = RoundSchedule(local_steps=3, overlap_steps=1)
+    assert [window.due(s) for s in (1, 2, 3)] == [(Event.APPLY_IN_ROUND,), (), (Event.BOUNDARY,)]
