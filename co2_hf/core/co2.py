@@ -292,15 +292,6 @@ class CO2(Phases):
 
     # ------------------------------------------------------------------ checkpoints (core/state.py)
 
-    def _outer_tensors(self) -> dict[str, Tensor | None]:
-        """The outer tensors a checkpoint holds, by key (``state.TENSOR_KEYS``)."""
-        return {
-            "anchor": self._anchor,
-            "momentum": self._momentum,
-            "buffer": self.wire.fp32,
-            "own_outer_grad": self.start.offset,
-        }
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state, without any collective (``core/state.py``). Tensors are references
         (as with ``optimizer.state_dict()``): save or clone them before training continues."""
@@ -308,7 +299,10 @@ class CO2(Phases):
         return {
             "format": STATE_FORMAT,
             **self._identity(),
-            **self._outer_tensors(),
+            "anchor": self._anchor,
+            "momentum": self._momentum,
+            "buffer": self.wire.fp32,  # with a received D in it when "have_d" is set
+            "own_outer_grad": self.start.offset,  # None under the anchor start rule
             "counters": self.progress.to_dict(),
         }
 

@@ -1,8 +1,9 @@
 """What a CO2 checkpoint holds, and the checks that it is loaded into the same setting.
 
 Each rank saves its own part (``CO2.state_dict``), which never issues a collective: the outer
-tensors it holds (anchor, momentum, the fp32 communication buffer with a completed all-reduce
-result in it, the start rule's offset), the `Progress` counters, the config and the layout. The
+tensors it holds (keys ``anchor``, ``momentum``, ``buffer``: the fp32 communication buffer with a
+completed all-reduce result in it, ``own_outer_grad``: the start rule's offset or None), the
+`Progress` counters (``counters``), the config and the layout (checked by `check_compatible`). The
 caller saves the rank's live parameters and inner optimizer state beside it. An all-reduce in
 flight is waited for first and stored as completed (its values do not depend on when it is waited
 for), so the next boundary uses it without waiting again and the resumed run continues bit for bit.
@@ -19,8 +20,6 @@ from typing import Any
 STATE_FORMAT = 1
 # Settings that may change on resume: they do not alter the trajectory.
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
-# The outer tensors, by checkpoint key; "own_outer_grad" is None under the anchor start rule.
-TENSOR_KEYS = ("anchor", "momentum", "buffer", "own_outer_grad")
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
 
 
