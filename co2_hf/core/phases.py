@@ -32,7 +32,8 @@ from .rules import NoPenalty, make_penalty, make_start_rule
 from .state import Progress
 from .wire import WireBuffer
 
-logger = logging.getLogger(__name__)
+# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
+logger = logging.getLogger("co2_hf.core.co2")
 
 
 class Phases:

@@ -21,7 +21,8 @@ from ..config import CO2Config
 from . import update
 from .layout import FlatLayout
 
-logger = logging.getLogger(__name__)
+# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
+logger = logging.getLogger("co2_hf.core.co2")
 
 
 # ---------------------------------------------------------------------------------- start rules
