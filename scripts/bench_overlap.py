@@ -88,7 +88,7 @@ def run_config(rank: int, tau: int, rounds: int, *, overlap: bool, delay_s: floa
         "mean_step_time_s": statistics.fmean(steady_steps),
         "waits": steady_waits,
         "comms": steady_comms,
-        "outer_numel": co2._buf.numel(),
+        "outer_numel": co2.wire.fp32.numel(),
     }
 
 

@@ -192,7 +192,7 @@ def _fault(co2: CO2, signame: str, marker: str, when: str) -> None:
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(0.01)
     in_flight = not work.is_completed()
-    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": co2._sent_round}
+    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": co2.progress.sent_round}
     with open(marker + ".tmp", "w") as f:
         json.dump(fault, f)
     os.replace(marker + ".tmp", marker)

@@ -1,11 +1,21 @@
-"""The outer update's pure functions on hand-computed tensors, and the worked example in float64."""
+"""The outer update: the engine's pure functions and penalty rules on hand-computed tensors, and
+the worked example through the naive reference (tests/reference.py) in float64.
+
+The engine itself reproduces the same worked example in tests/test_engine_distributed.py and
+matches the reference on real training in tests/test_engine_vs_reference.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from reference import ReferenceCO2
+from torch import nn
 
+from co2_hf import CO2Config
 from co2_hf.core import update
+from co2_hf.core.layout import FlatLayout
+from co2_hf.core.rules import ConstantPenalty, GapAwarePenalty, NoPenalty, make_penalty
 
 pytestmark = pytest.mark.timeout(30)
 f64 = dict(dtype=torch.float64)
@@ -36,28 +46,37 @@ def _mean_outer(t: int) -> torch.Tensor:
     return torch.tensor(OUTER[t], **f64).mean(0)
 
 
-def _co2_update(m: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One overlapped CO2 update of the example; returns (step v, penalty P)."""
-    p = update.gap_aware_penalty(d, 1.0 * m, d.abs().mean().expand_as(d), lam=1.0)
-    v, _ = update.outer_update(
-        m, d, alpha=1.0, beta=0.5, nesterov=False, lam=1.0, mode="gap_aware", phi=0.25, stale=True
-    )
-    return v, p
+def _reference(values: dict[str, tuple], **cfg) -> ReferenceCO2:
+    """The naive reference over float64 tensors with these initial values, zero momentum."""
+    module = nn.Module()
+    for name, value in values.items():
+        module.register_parameter(name, nn.Parameter(torch.tensor(value, **f64)))
+    return ReferenceCO2([module], CO2Config(co2_local_steps=1, **cfg))
+
+
+def _step(ref: ReferenceCO2, d: dict[str, torch.Tensor], *, stale: bool) -> dict[str, torch.Tensor]:
+    """One outer update of the reference; returns the step v (anchor move / -alpha)."""
+    before = {n: a.clone() for n, a in ref.anchor.items()}
+    ref.apply(d, {}, stale=stale)
+    return {n: (before[n] - ref.anchor[n]) / ref.cfg.co2_outer_lr for n in d}
+
+
+CO2_EXAMPLE = dict(co2_outer_lr=1.0, co2_outer_momentum=0.5, co2_gap_penalty=1.0, co2_clip_threshold=0.25)
 
 
 def test_worked_example_co2_overlapped():
-    anchor, m = torch.tensor([1.0, -2.0], **f64), torch.zeros(2, **f64)
+    ref = _reference({"w": (1.0, -2.0)}, **CO2_EXAMPLE)
     pending = None
     rows = []
     for t in range(4):
         penalty = None
         if pending is not None:  # the all-reduce launched one boundary ago
-            v, penalty = _co2_update(m, pending)
-            anchor = anchor - 1.0 * v
+            ref.apply({"w": pending}, {}, stale=True)
+            penalty = ref.penalties[-1]["w"]
         pending = _mean_outer(t)
-        rows.append((anchor.clone(), m.clone(), penalty))
-    v, penalty = _co2_update(m, pending)  # finalize applies the in-flight average
-    rows.append((anchor - v, m.clone(), penalty))
+        rows.append((ref.anchor["w"].clone(), ref.momentum["w"].clone(), penalty))
+    ref.apply({"w": pending}, {}, stale=True)  # finalize applies the in-flight average
+    rows.append((ref.anchor["w"].clone(), ref.momentum["w"].clone(), ref.penalties[-1]["w"]))
     for (a, mom, p), (want_a, want_m, want_p) in zip(rows, CO2_ROWS):
         torch.testing.assert_close(a, torch.tensor(want_a, **f64), atol=1e-7, rtol=0)
         torch.testing.assert_close(mom, torch.tensor(want_m, **f64), atol=1e-7, rtol=0)
@@ -65,24 +84,31 @@ def test_worked_example_co2_overlapped():
             torch.testing.assert_close(p, torch.tensor(want_p, **f64), atol=1e-7, rtol=0)
 
 
+def test_worked_example_penalty_is_the_engines_gap_aware_rule():
+    """Boundary 2 of the example (D = (0.1, 0), m = (0.2, -0.1)) through the engine's own rule."""
+    d, m = torch.tensor([0.1, 0.0]), torch.tensor([0.2, -0.1])
+    penalty = GapAwarePenalty(CO2Config(**CO2_EXAMPLE), FlatLayout(_module(w=2)), torch.device("cpu"))
+    total = penalty.scale_(d, m, penalty.partials(d)[:-1])
+    torch.testing.assert_close(d, torch.tensor([0.025, 0.0]))  # P = (0.25, 0.5)
+    assert float(total) == pytest.approx(0.75)
+
+
 def test_worked_example_diloco_synchronous():
-    anchor, m = torch.tensor([1.0, -2.0], **f64), torch.zeros(2, **f64)
+    ref = _reference(
+        {"w": (1.0, -2.0)}, co2_outer_lr=0.7, co2_outer_momentum=0.9, co2_nesterov=True, co2_gap_penalty=1.0
+    )
     for t, (want_a, want_m) in enumerate(DILOCO_ROWS):
-        v, stats = update.outer_update(
-            m,
-            _mean_outer(t),
-            alpha=0.7,
-            beta=0.9,
-            nesterov=True,
-            lam=1.0,
-            mode="gap_aware",
-            phi=None,
-            stale=False,
-        )
-        anchor = anchor - 0.7 * v
-        assert stats["penalty_mean"] == 1.0  # nothing is stale without overlap
-        torch.testing.assert_close(anchor, torch.tensor(want_a, **f64), atol=1e-7, rtol=0)
-        torch.testing.assert_close(m, torch.tensor(want_m, **f64), atol=1e-7, rtol=0)
+        ref.apply({"w": _mean_outer(t)}, {}, stale=False)
+        assert torch.equal(ref.penalties[-1]["w"], torch.ones(2, **f64))  # nothing is stale without overlap
+        torch.testing.assert_close(ref.anchor["w"], torch.tensor(want_a, **f64), atol=1e-7, rtol=0)
+        torch.testing.assert_close(ref.momentum["w"], torch.tensor(want_m, **f64), atol=1e-7, rtol=0)
+
+
+def _module(**sizes: int) -> nn.Module:
+    module = nn.Module()
+    for name, size in sizes.items():
+        module.register_parameter(name, nn.Parameter(torch.zeros(size)))
+    return module
 
 
 def test_gap_aware_penalty_hand_computed():
@@ -104,95 +130,116 @@ def test_penalty_is_one_when_the_anchor_has_not_moved():
     assert torch.equal(p, torch.ones_like(d))
 
 
-def test_penalty_takes_the_mean_over_each_tensor_separately():
-    m = torch.tensor([1.0, 1.0, 1.0, 1.0], **f64)
-    d = torch.tensor([1.0, 1.0, 0.1, 0.1], **f64)  # tensor A: mean 1; tensor B: mean 0.1
-    _, stats = update.outer_update(
-        m.clone(),
-        d,
-        alpha=1.0,
-        beta=0.0,
-        nesterov=False,
-        lam=1.0,
-        mode="gap_aware",
-        phi=None,
-        stale=True,
-        segment_lengths=[2, 2],
-    )
+@pytest.mark.parametrize("chunk_numel", [4, 3, 1])  # one chunk, a tensor split over chunks, one per element
+def test_penalty_takes_the_mean_over_each_tensor_separately(chunk_numel):
+    m = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    d = torch.tensor([1.0, 1.0, 0.1, 0.1])  # tensor A: mean 1; tensor B: mean 0.1
+    layout = FlatLayout(_module(a=2, b=2), chunk_numel=chunk_numel)
+    penalty = GapAwarePenalty(CO2Config(co2_gap_penalty=1.0), layout, torch.device("cpu"))
+    total = penalty.scale_(d, m, penalty.partials(d)[:-1])
     # P = (1, 1) on A (gap 1) and (0.1, 0.1) on B (gap 10): mean 0.55
-    assert stats["penalty_mean"] == pytest.approx(0.55)
+    assert float(total) / 4 == pytest.approx(0.55)
+    torch.testing.assert_close(d, torch.tensor([1.0, 1.0, 0.01, 0.01]))
+    # the reference agrees
+    ref = _reference({"a": (0.0, 0.0), "b": (0.0, 0.0)}, co2_outer_momentum=0.0, co2_gap_penalty=1.0)
+    ref.momentum = {"a": torch.ones(2, **f64), "b": torch.ones(2, **f64)}
+    ref.apply({"a": torch.ones(2, **f64), "b": torch.full((2,), 0.1, **f64)}, {}, stale=True)
+    assert float(torch.cat(list(ref.penalties[-1].values())).mean()) == pytest.approx(0.55)
 
 
 def test_constant_penalty():
     assert update.constant_penalty(4.0) == 0.25
     assert update.constant_penalty(0.5) == 1.0
-    m, d = torch.zeros(3, **f64), torch.ones(3, **f64)
-    v, stats = update.outer_update(
-        m, d, alpha=1.0, beta=0.0, nesterov=False, lam=4.0, mode="constant", phi=None, stale=True
-    )
-    torch.testing.assert_close(v, torch.full((3,), 0.25, **f64))
-    assert stats["penalty_mean"] == 0.25
+    cfg = dict(co2_gap_penalty=4.0, co2_gap_penalty_mode="constant")
+    penalty = make_penalty(CO2Config(**cfg), FlatLayout(_module(w=3)), torch.device("cpu"))
+    assert isinstance(penalty, ConstantPenalty)
+    d = torch.ones(3)
+    assert float(penalty.scale_(d, torch.zeros(3), penalty.partials(d)[:-1])) == pytest.approx(0.75)
+    torch.testing.assert_close(d, torch.full((3,), 0.25))
+    ref = _reference({"w": (0.0, 0.0, 0.0)}, co2_outer_momentum=0.0, **cfg)
+    v = _step(ref, {"w": torch.ones(3, **f64)}, stale=True)
+    torch.testing.assert_close(v["w"], torch.full((3,), 0.25, **f64))
+
+
+def test_penalty_off_is_no_penalty():
+    layout = FlatLayout(_module(w=3))
+    assert type(make_penalty(CO2Config(co2_gap_penalty=0.0), layout, torch.device("cpu"))) is NoPenalty
+    d = torch.full((3,), 0.01)
+    assert float(NoPenalty().scale_(d, torch.ones(3), NoPenalty().partials(d)[:-1])) == 3.0
+    assert torch.equal(d, torch.full((3,), 0.01))
 
 
 @pytest.mark.parametrize("mode", ["gap_aware", "constant"])
 def test_no_penalty_when_not_stale(mode):
-    m, d = torch.ones(3, **f64), torch.full((3,), 0.01, **f64)
-    v, stats = update.outer_update(
-        m, d, alpha=1.0, beta=0.5, nesterov=False, lam=100.0, mode=mode, phi=None, stale=False
-    )
-    torch.testing.assert_close(v, torch.full((3,), 0.51, **f64))
-    assert stats["penalty_mean"] == 1.0
+    ref = _reference({"w": (0.0, 0.0, 0.0)}, co2_outer_momentum=0.5, co2_gap_penalty=100.0, co2_gap_penalty_mode=mode)
+    ref.momentum = {"w": torch.ones(3, **f64)}
+    v = _step(ref, {"w": torch.full((3,), 0.01, **f64)}, stale=False)
+    torch.testing.assert_close(v["w"], torch.full((3,), 0.51, **f64))
+    assert torch.equal(ref.penalties[-1]["w"], torch.ones(3, **f64))
 
 
 def test_clipping_clips_and_leaves_small_momentum_alone():
     assert update.clip_ratio(25.0, 2.5) == pytest.approx(0.5)  # ||m|| = 5 -> 2.5
     assert update.clip_ratio(4.0, 2.5) == 1.0
     assert update.clip_ratio(1e9, None) == 1.0
-    m = torch.zeros(2, **f64)
-    v, stats = update.outer_update(
-        m,
-        torch.tensor([3.0, 4.0], **f64),
-        alpha=1.0,
-        beta=0.0,
-        nesterov=False,
-        lam=0.0,
-        mode="gap_aware",
-        phi=1.0,
-        stale=True,
-    )
-    torch.testing.assert_close(m, torch.tensor([0.6, 0.8], **f64))
-    assert stats["clip_ratio"] == pytest.approx(0.2) and stats["momentum_norm"] == pytest.approx(1.0)
-    small = torch.zeros(2, **f64)
-    update.outer_update(
-        small,
-        torch.tensor([0.3, 0.4], **f64),
-        alpha=1.0,
-        beta=0.0,
-        nesterov=False,
-        lam=0.0,
-        mode="gap_aware",
-        phi=1.0,
-        stale=True,
-    )
-    torch.testing.assert_close(small, torch.tensor([0.3, 0.4], **f64))
+    assert update.clip_ratio(25.0, 1.0) == pytest.approx(0.2)
+    cfg = dict(co2_outer_momentum=0.0, co2_gap_penalty=0.0, co2_clip_threshold=1.0)
+    ref = _reference({"w": (0.0, 0.0)}, **cfg)
+    ref.apply({"w": torch.tensor([3.0, 4.0], **f64)}, {}, stale=True)
+    torch.testing.assert_close(ref.momentum["w"], torch.tensor([0.6, 0.8], **f64))
+    assert float(ref.momentum["w"].norm()) == pytest.approx(1.0)
+    small = _reference({"w": (0.0, 0.0)}, **cfg)
+    small.apply({"w": torch.tensor([0.3, 0.4], **f64)}, {}, stale=True)
+    torch.testing.assert_close(small.momentum["w"], torch.tensor([0.3, 0.4], **f64))
 
 
 def test_nesterov_versus_heavy_ball():
-    d = torch.tensor([1.0, -2.0], **f64)
-    common = dict(alpha=1.0, beta=0.5, lam=0.0, mode="gap_aware", phi=None, stale=False)
-    m_hb = torch.tensor([2.0, 2.0], **f64)
-    v_hb, _ = update.outer_update(m_hb, d, nesterov=False, **common)
-    torch.testing.assert_close(v_hb, torch.tensor([2.0, -1.0], **f64))  # v = m = 0.5 m + D
-    m_n = torch.tensor([2.0, 2.0], **f64)
-    v_n, _ = update.outer_update(m_n, d, nesterov=True, **common)
-    torch.testing.assert_close(v_n, torch.tensor([2.0, -2.5], **f64))  # v = 0.5 m_new + D
+    d = {"w": torch.tensor([1.0, -2.0], **f64)}
+    common = dict(co2_outer_lr=1.0, co2_outer_momentum=0.5, co2_gap_penalty=0.0)
+    hb = _reference({"w": (0.0, 0.0)}, **common)
+    hb.momentum = {"w": torch.tensor([2.0, 2.0], **f64)}
+    torch.testing.assert_close(_step(hb, d, stale=False)["w"], torch.tensor([2.0, -1.0], **f64))  # v = m = 0.5 m + D
+    nesterov = _reference({"w": (0.0, 0.0)}, co2_nesterov=True, **common)
+    nesterov.momentum = {"w": torch.tensor([2.0, 2.0], **f64)}
+    v = _step(nesterov, d, stale=False)["w"]
+    torch.testing.assert_close(v, torch.tensor([2.0, -2.5], **f64))  # v = 0.5 m_new + D
+    # the engine's pure functions compose to the same step
+    m, pd = torch.tensor([2.0, 2.0], **f64), d["w"].clone()
+    update.momentum_(m, pd, 0.5)
+    torch.testing.assert_close(update.nesterov_direction_(pd, m, 0.5), v)
 
 
 def test_nesterov_clip_bounds_momentum_not_the_gradient_term():
-    m = torch.zeros(2, **f64)
-    d = torch.tensor([3.0, 4.0], **f64)
-    v, _ = update.outer_update(
-        m, d, alpha=1.0, beta=0.5, nesterov=True, lam=0.0, mode="gap_aware", phi=1.0, stale=False
+    ref = _reference(
+        {"w": (0.0, 0.0)}, co2_outer_momentum=0.5, co2_nesterov=True, co2_gap_penalty=0.0, co2_clip_threshold=1.0
     )
-    torch.testing.assert_close(m, torch.tensor([0.6, 0.8], **f64))
-    torch.testing.assert_close(v, 0.5 * m + d)
+    d = torch.tensor([3.0, 4.0], **f64)
+    v = _step(ref, {"w": d}, stale=False)["w"]
+    torch.testing.assert_close(ref.momentum["w"], torch.tensor([0.6, 0.8], **f64))
+    torch.testing.assert_close(v, 0.5 * ref.momentum["w"] + d)
+
+
+@pytest.mark.parametrize(
+    ("settings", "rule"),
+    [
+        (dict(), "AnchorStart"),
+        (dict(co2_start_rule="eager"), "EagerStart"),
+        (dict(co2_start_rule="lookahead"), "LookaheadStart"),
+        (dict(co2_start_rule="eager", co2_overlap=False), "AnchorStart"),  # no overlap: nothing to anticipate
+    ],
+)
+def test_the_start_rule_is_picked_once_from_its_table(settings, rule):
+    from co2_hf.core.rules import make_start_rule
+
+    start = make_start_rule(CO2Config(**settings), torch.zeros(3), 3, dtype=torch.float32)
+    assert type(start).__name__ == rule
+    assert (start.offset is None) == (rule == "AnchorStart")  # the anchor rule holds no memory
+
+
+def test_the_round_schedule_says_what_is_due_after_each_step():
+    from co2_hf.core.schedule import Event, RoundSchedule
+
+    full = RoundSchedule(local_steps=3, overlap_steps=None)
+    assert [full.due(s) for s in (1, 2, 3)] == [(), (), (Event.BOUNDARY,)]
+    window = RoundSchedule(local_steps=3, overlap_steps=1)
+    assert [window.due(s) for s in (1, 2, 3)] == [(Event.APPLY_IN_ROUND,), (), (Event.BOUNDARY,)]

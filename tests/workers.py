@@ -261,7 +261,7 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
         "launched_bytes": launched,
         "shard_numel": co2.layout.shard_numel,
         "padded_numel": co2.layout.padded_numel,
-        "header_slots": co2._buf.numel() - co2.layout.shard_numel,
+        "header_slots": co2.wire.fp32.numel() - co2.layout.shard_numel,
     }
 
 

@@ -1,69 +1,60 @@
-"""Checkpointing of the CO2 engine: a local ``state_dict`` that never issues a collective.
+"""What a CO2 checkpoint holds, and the checks that it is loaded into the same setting.
 
-Each rank saves its own part: the outer state it holds (anchor, momentum, the completed all-reduce
-result and its flag, the eager rule's own outer gradient), the counters, the config and the layout.
-The caller saves the rank's live parameters and inner optimizer state beside it. An all-reduce in
+Each rank saves its own part (``CO2.state_dict``), which never issues a collective: the outer
+tensors it holds (keys ``anchor``, ``momentum``, ``buffer``: the fp32 communication buffer with a
+completed all-reduce result in it, ``own_outer_grad``: the start rule's offset or None), the
+`Progress` counters (``counters``), the config and the layout (checked by `check_compatible`). The
+caller saves the rank's live parameters and inner optimizer state beside it. An all-reduce in
 flight is waited for first and stored as completed (its values do not depend on when it is waited
 for), so the next boundary uses it without waiting again and the resumed run continues bit for bit.
+
+Format 1 (the keys below) is kept as it was: three counters are stored under the names of the
+engine's private attributes of that time.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 STATE_FORMAT = 1
 # Settings that may change on resume: they do not alter the trajectory.
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
-COUNTERS = (
-    "inner_steps",
-    "round",
-    "round_step",
-    "warmup_done",
-    "amp_skipped_steps",
-    "skipped_rounds",
-    "_consecutive_skipped",
-    "_have_d",
-    "_sent_round",
-)
+_FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
 
 
-class CheckpointMixin:
-    """``state_dict`` / ``load_state_dict`` for `CO2` (kept apart from the algorithm)."""
+@dataclass
+class Progress:
+    """The engine's counters. A checkpoint saves every field; nothing else about the round."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's CO2 state. Tensors are references (as with ``optimizer.state_dict()``):
-        save or clone them before training continues."""
-        self._receive(record=False)
-        return {
-            "format": STATE_FORMAT,
-            "config": self.config.co2_dict(),
-            "layout": self.layout.describe(),
-            "num_workers": self.num_workers,
-            "worker_index": self.comm.worker_index,
-            "anchor": self._anchor,
-            "momentum": self._momentum,
-            "buffer": self._buf,
-            "own_outer_grad": self._own,
-            "counters": {name: getattr(self, name) for name in COUNTERS},
-        }
+    inner_steps: int = 0  # inner steps since construction (all of them, AMP-skipped included)
+    round: int = 0  # index t of the current round
+    round_step: int = 0  # inner steps taken in the current round
+    warmup_done: bool = False
+    amp_skipped_steps: int = 0
+    skipped_rounds: int = 0  # rounds whose outer update was skipped: no worker was finite
+    consecutive_skipped: int = 0
+    have_d: bool = False  # the communication buffer holds a received mean D, not yet applied
+    sent_round: int = 0  # the round whose outer gradients the last launched all-reduce carries
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state saved by this rank in the same setting; raise ``ValueError`` otherwise."""
-        if self._pending is not None:
-            raise RuntimeError("load_state_dict while an outer all-reduce is in flight")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown CO2 checkpoint format {state.get('format')!r}")
-        _check_same_config(state["config"], self.config.co2_dict())
-        _check_same("layout (parameter names and shapes)", state["layout"], self.layout.describe())
-        _check_same("number of workers", state["num_workers"], self.num_workers)
-        _check_same("worker index", state["worker_index"], self.comm.worker_index)
-        self._anchor.copy_(state["anchor"])
-        self._momentum.copy_(state["momentum"])
-        self._buf.copy_(state["buffer"])
-        if self._own is not None:
-            self._own.copy_(state["own_outer_grad"])
-        for name in COUNTERS:
-            setattr(self, name, state["counters"][name])
+    def to_dict(self) -> dict[str, Any]:
+        return {_FORMAT_1_NAMES.get(k, k): v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Progress:
+        return cls(**{f.name: saved[_FORMAT_1_NAMES.get(f.name, f.name)] for f in fields(cls)})
+
+
+def check_compatible(
+    saved: dict[str, Any], *, config: dict, layout: dict, num_workers: int, worker_index: int
+) -> None:
+    """Raise ``ValueError`` unless ``saved`` was written by this rank in this setting."""
+    if saved.get("format") != STATE_FORMAT:
+        raise ValueError(f"unknown CO2 checkpoint format {saved.get('format')!r}")
+    _check_same_config(saved["config"], config)
+    _check_same("layout (parameter names and shapes)", saved["layout"], layout)
+    _check_same("number of workers", saved["num_workers"], num_workers)
+    _check_same("worker index", saved["worker_index"], worker_index)
 
 
 def _check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:

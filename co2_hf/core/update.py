@@ -32,6 +32,11 @@ def constant_penalty(lam: float) -> float:
     return 1.0 / max(1.0, lam)
 
 
+def norm_sq(x: Tensor) -> Tensor:
+    """``||x||^2`` in float64, as a one-element tensor (a partial statistic to be summed)."""
+    return torch.linalg.vector_norm(x).double().square().view(1)
+
+
 def momentum_(m: Tensor, pd: Tensor, beta: float) -> Tensor:
     """In place ``m <- beta * m + P * D`` (``pd`` already holds ``P * D``)."""
     return m.mul_(beta).add_(pd)
@@ -48,45 +53,3 @@ def nesterov_direction_(pd: Tensor, m: Tensor, beta: float) -> Tensor:
     """In place ``pd <- beta * m + P * D``: the Nesterov step, using the already clipped ``m``."""
     return pd.add_(m, alpha=beta)
 
-
-def outer_update(
-    m: Tensor,
-    d: Tensor,
-    *,
-    alpha: float,
-    beta: float,
-    nesterov: bool,
-    lam: float,
-    mode: str,
-    phi: float | None,
-    stale: bool,
-    segment_lengths: list[int] | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """One outer update on whole, unsharded tensors; returns the step ``v`` and the statistics.
-
-    ``m`` is updated in place; ``d`` is not modified. ``segment_lengths`` splits the flat vectors
-    into the tensors over which the gap-aware mean is taken (default: one tensor). ``stale`` is True
-    for an overlapped update (the penalty applies) and False for a synchronous one (``P = 1``).
-    This is the composition the engine runs chunk by chunk; it serves small cases and tests.
-    """
-    lengths = segment_lengths or [d.numel()]
-    if stale and lam > 0 and mode == "gap_aware":
-        sums = torch.stack([s.abs().sum() for s in d.split(lengths)])
-        mean_abs = (sums / torch.tensor(lengths, dtype=d.dtype)).repeat_interleave(torch.tensor(lengths))
-        p = gap_aware_penalty(d, alpha * m, mean_abs, lam)
-    elif stale and lam > 0:
-        p = torch.full_like(d, constant_penalty(lam))
-    else:
-        p = torch.ones_like(d)
-    pd = p * d
-    momentum_(m, pd, beta)
-    ratio = clip_ratio(float(m.pow(2).sum()), phi)
-    m.mul_(ratio)
-    v = nesterov_direction_(pd, m, beta) if nesterov else m.clone()
-    stats = {
-        "outer_grad_norm": float(d.norm()),
-        "momentum_norm": float(m.norm()),
-        "clip_ratio": ratio,
-        "penalty_mean": float(p.mean()),
-    }
-    return v, stats

@@ -1,0 +1,214 @@
+"""The rules a boundary applies, as small objects picked once at construction (``docs/algorithm.md``).
+
+- A **start rule** says where a worker's next round starts, as an offset ``o`` from the anchor
+  (the round starts at ``a - o``). Its one rule-specific method is ``next_offset_``; the others
+  (measure from the start, reset to it, shift it, clear it) are shared. ``anchor`` holds no offset.
+- A **penalty** damps a stale averaged outer gradient ``D`` in place. Its methods are ``partials``
+  (the local statistics it needs, combined by the engine in one reduction) and ``scale_``.
+
+Adding a rule is one class and one row in `START_RULES` or `PENALTIES`; the engine never asks
+which rule it has.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from ..config import CO2Config
+from . import update
+from .layout import FlatLayout
+
+# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
+logger = logging.getLogger("co2_hf.core.co2")
+
+
+# ---------------------------------------------------------------------------------- start rules
+
+
+class AnchorStart:
+    """``anchor``: every round starts at the anchor (``o = 0``); holds nothing, does nothing."""
+
+    offset: Tensor | None = None  # what a checkpoint stores as "own_outer_grad"
+
+    def __init__(self, config: CO2Config, momentum: Tensor, numel: int, **zeros) -> None:
+        if config.co2_overlap_steps is not None:
+            logger.warning(
+                "CO2: co2_overlap_steps=%d with co2_start_rule='anchor' makes every worker redo the "
+                "first %d steps of its last round and count them twice (docs/algorithm.md, 7a); "
+                "co2_start_rule='eager' avoids it",
+                config.co2_overlap_steps,
+                config.co2_overlap_steps,
+            )
+
+    def subtract_offset_(self, x: Tensor, lo: int, mid: int) -> None:
+        """``x <- x - o[lo:mid]``: turns ``a - x`` into ``start - x``."""
+
+    def add_offset_(self, x: Tensor, lo: int, mid: int) -> None:
+        """``x <- x + o[lo:mid]``."""
+
+    def start_point(self, anchor: Tensor, lo: int, mid: int) -> Tensor:
+        """Where this chunk's round starts, ``a - o``, from the anchor's chunk (not modified)."""
+        return anchor
+
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+        """Set ``o[lo:mid]`` for the next round from ``d`` (this worker's outer gradient just measured)
+        and ``v`` (the step whose ``-alpha * v`` just moved the anchor; None when none did)."""
+
+    def clear_(self) -> None:
+        """``o <- 0``: the round (re)starts at the anchor itself."""
+
+    def load_(self, saved: Tensor | None) -> None:
+        """Restore ``o`` from a checkpoint."""
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class _OffsetStart(AnchorStart):
+    """A start rule that keeps one fp32 offset per parameter element of this shard."""
+
+    def __init__(self, config: CO2Config, momentum: Tensor, numel: int, **zeros) -> None:
+        self.config, self.momentum = config, momentum
+        self.offset = torch.zeros(numel, **zeros)
+
+    def subtract_offset_(self, x: Tensor, lo: int, mid: int) -> None:
+        x.sub_(self.offset[lo:mid])
+
+    def add_offset_(self, x: Tensor, lo: int, mid: int) -> None:
+        x.add_(self.offset[lo:mid])
+
+    def start_point(self, anchor: Tensor, lo: int, mid: int) -> Tensor:
+        start = anchor.clone()
+        start[: mid - lo].sub_(self.offset[lo:mid])
+        return start
+
+    def clear_(self) -> None:
+        self.offset.zero_()
+
+    def load_(self, saved: Tensor | None) -> None:
+        self.offset.copy_(saved)
+
+    def nbytes(self) -> int:
+        return self.offset.numel() * self.offset.element_size()
+
+
+class EagerStart(_OffsetStart):
+    """``eager`` (weight gamma = ``co2_eager_weight``): ``o <- gamma * d + (1 - gamma) * alpha * v``."""
+
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+        gamma, own = self.config.co2_eager_weight, self.offset[lo:mid]
+        if gamma == 1.0:
+            own.copy_(d)
+            return
+        torch.mul(d, gamma, out=own)
+        if v is not None:
+            own.add_(v, alpha=(1.0 - gamma) * self.config.co2_outer_lr)
+
+
+class LookaheadStart(_OffsetStart):
+    """``lookahead``: ``o <- alpha * step(d)``, the move the next boundary would apply if the average
+    in flight equalled ``d``: ``m' = beta * m + d``, ``step = m'`` (Nesterov: ``beta * m' + d``), with
+    ``m`` the momentum just updated (the coming penalty and clipping are not predicted)."""
+
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+        cfg, own = self.config, self.offset[lo:mid]
+        beta = cfg.co2_outer_momentum
+        torch.add(d, self.momentum[lo:mid], alpha=beta, out=own)  # m'
+        if cfg.co2_nesterov:
+            own.mul_(beta).add_(d)
+        own.mul_(cfg.co2_outer_lr)
+
+
+START_RULES = {"anchor": AnchorStart, "eager": EagerStart, "lookahead": LookaheadStart}
+
+
+def make_start_rule(config: CO2Config, momentum: Tensor, numel: int, **zeros) -> AnchorStart:
+    """The start rule for this run; without overlap every round starts at the anchor."""
+    name = config.co2_start_rule if config.co2_overlap else "anchor"
+    return START_RULES[name](config, momentum, numel, **zeros)
+
+
+# ------------------------------------------------------------------------------------ penalties
+
+
+
+class NoPenalty:
+    """``P = 1``: penalty off (``co2_gap_penalty = 0``), and every update that is not stale."""
+
+    def partials(self, d: Tensor) -> Tensor:
+        """Local partial statistics for `scale_`, with ``||D||^2`` last, in float64."""
+        return update.norm_sq(d)
+
+    def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
+        """In place ``d <- P * d`` (``stats``: `partials` summed over the worker, ``||D||^2`` dropped);
+        return the local sum of P over parameter elements."""
+        return torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)
+
+
+class ConstantPenalty(NoPenalty):
+    """``constant``: ``P = 1 / max(1, lambda)`` everywhere (the authors' released code)."""
+
+    def __init__(self, config: CO2Config, layout: FlatLayout, device: torch.device) -> None:
+        self.p = update.constant_penalty(config.co2_gap_penalty)
+
+    def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
+        d.mul_(self.p)
+        return torch.tensor(self.p * d.numel(), dtype=torch.float64, device=d.device)
+
+
+class GapAwarePenalty(NoPenalty):
+    """``gap_aware``: elementwise ``P = 1 / max(1, lambda * |alpha * m| / mean|D|)``, the mean taken
+    over each whole synchronised tensor."""
+
+    def __init__(self, config: CO2Config, layout: FlatLayout, device: torch.device) -> None:
+        self.lam, self.alpha = config.co2_gap_penalty, config.co2_outer_lr
+        self.layout = layout
+        self.pieces = _param_pieces(layout)
+        self.piece_segment_ids = torch.tensor([sid for sid, _, _ in self.pieces], device=device)
+
+    def partials(self, d: Tensor) -> Tensor:
+        """Local sums of ``|D|`` per synchronised tensor, then ``||D||^2``, in float64.
+
+        One fused reduction per piece of a tensor (``vector_norm`` with ord 1 allocates nothing),
+        instead of materialising ``|D|``: this runs once per round over the whole shard."""
+        sums = torch.zeros(len(self.layout.segments) + 1, dtype=torch.float64, device=d.device)
+        parts = [torch.linalg.vector_norm(d[lo:hi], ord=1) for _, lo, hi in self.pieces]
+        if parts:
+            sums.index_add_(0, self.piece_segment_ids, torch.stack(parts).double())
+        sums[-1] = update.norm_sq(d)[0]
+        return sums
+
+    def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
+        means = (stats / self.layout.segment_numels.to(stats.device)).float()
+        totals = []
+        for sid, lo, hi in self.pieces:  # each piece lies in one tensor: its mean is a scalar
+            u = m[lo:hi] if self.alpha == 1.0 else m[lo:hi] * self.alpha
+            p = update.gap_aware_penalty(d[lo:hi], u, means[sid], self.lam)
+            d[lo:hi].mul_(p)
+            totals.append(p.sum(dtype=torch.float64))
+        return torch.stack(totals).sum() if totals else torch.zeros((), dtype=torch.float64, device=d.device)
+
+
+PENALTIES = {"gap_aware": GapAwarePenalty, "constant": ConstantPenalty}
+
+
+def make_penalty(config: CO2Config, layout: FlatLayout, device: torch.device) -> NoPenalty:
+    """The penalty for stale updates in this run (``co2_gap_penalty = 0``: none)."""
+    if config.co2_gap_penalty <= 0:
+        return NoPenalty()
+    return PENALTIES[config.co2_gap_penalty_mode](config, layout, device)
+
+
+def _param_pieces(layout: FlatLayout) -> list[tuple[int, int, int]]:
+    """Every parameter piece of this shard as (segment id, start, stop) in the flat state; a
+    piece is the part of one synchronised tensor inside one chunk."""
+    pieces = []
+    for chunk in layout.chunks:
+        start = chunk.start
+        for sid, length in zip(chunk.segment_ids[: chunk.param_pieces], chunk.lengths):
+            pieces.append((sid, start, start + length))
+            start += length
+    return pieces
