@@ -60,6 +60,8 @@ def test_host_state_on_a_gpu_model_matches_gpu_state_and_evaluates_on_the_anchor
             with co2.anchor_in_place():
                 in_place = model(tokens.cuda())
         torch.testing.assert_close(functional, in_place)
+        if state_device == "cpu":  # issue 13, item 9: host scratch pinned like the state
+            assert co2.live.scratch(8).is_pinned() and co2.live.read(co2.layout.chunks[0]).is_pinned()
         runs[state_device] = {k: v.detach().double().cpu() for k, v in anchor.items()}
     for name, value in runs["same"].items():
         torch.testing.assert_close(runs["cpu"][name], value, atol=1e-5, rtol=1e-5, msg=name)

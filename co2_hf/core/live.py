@@ -24,8 +24,11 @@ from .layout import Chunk, FlatLayout
 class LiveTensors:
     """The live tensors seen through the flat layout of this process's shard."""
 
-    def __init__(self, layout: FlatLayout, comm: Communicator, device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, comm: Communicator, device: torch.device, *, pin_memory: bool = False
+    ) -> None:
         self.layout, self.comm, self.device = layout, comm, device
+        self.pin_memory = pin_memory  # host scratch for a GPU model: copies both ways at full PCIe speed
         # chunk c of every shard of this worker, in shard order: what an all-gather of chunk c fills
         # (pre-sharded by FSDP2: this process's own chunks only, nothing is gathered)
         shards = [layout.chunks]
@@ -36,9 +39,14 @@ class LiveTensors:
             ]
         self._every_shard = list(zip(*shards))
 
+    def scratch(self, numel: int) -> Tensor:
+        """Uninitialised fp32 scratch on the state's device; pinned where the state is, so that the
+        copies between it and a GPU model are as fast as the anchor's (torch caches pinned blocks)."""
+        return torch.empty(numel, dtype=torch.float32, device=self.device, pin_memory=self.pin_memory)
+
     def read(self, chunk: Chunk) -> Tensor:
         """A fresh fp32 copy of the live values in ``chunk`` (zeros in its padding)."""
-        x = torch.zeros(chunk.stop - chunk.start, dtype=torch.float32, device=self.device)
+        x = self.scratch(chunk.stop - chunk.start).zero_()
         if chunk.live:
             pieces = list(x[: sum(chunk.lengths)].split(chunk.lengths))
             torch._foreach_copy_(pieces, chunk.live)
@@ -79,7 +87,7 @@ class LiveTensors:
 
     def gather_flat(self, shard: Tensor) -> Tensor:
         """The whole flat vector of which ``shard`` is this process's slice (all-gathered, k > 1)."""
-        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        full = self.scratch(self.layout.padded_numel)
         size = self.layout.shard_numel
         for chunk in self.layout.chunks:
             for j, part in enumerate(self.comm.all_gather(shard[chunk.start : chunk.stop])):

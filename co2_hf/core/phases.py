@@ -52,7 +52,7 @@ class Phases:
     ) -> None:
         self.config, self.comm, self.layout, self.device = config, comm, layout, device
         self.num_workers, self.optimizer = num_workers, optimizer
-        self.live = LiveTensors(layout, comm, device)
+        self.live = LiveTensors(layout, comm, device, pin_memory=pin_memory)
         n = layout.shard_numel
         zeros = dict(dtype=torch.float32, device=device, pin_memory=pin_memory)
         self._anchor = torch.zeros(n, **zeros)
@@ -228,7 +228,7 @@ class Phases:
     def _anchor_move(self, chunk: Chunk) -> Tensor:
         """What the shift adds to this chunk: ``-alpha * v + o`` on parameters, buffers' new mean."""
         lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
-        move = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+        move = self.live.scratch(hi - lo)
         torch.mul(self._step_v[lo:mid], -self.config.co2_outer_lr, out=move[: mid - lo])
         self.start.add_offset_(move[: mid - lo], lo, mid)
         move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean

@@ -81,7 +81,9 @@ class _OffsetStart(AnchorStart):
         x.add_(self.offset[lo:mid])
 
     def start_point(self, anchor: Tensor, lo: int, mid: int) -> Tensor:
-        start = anchor.clone()
+        # a copy in the anchor's kind of memory (clone() would drop the pinning of host state)
+        start = torch.empty(anchor.shape, dtype=anchor.dtype, device=anchor.device, pin_memory=anchor.is_pinned())
+        start.copy_(anchor)
         start[: mid - lo].sub_(self.offset[lo:mid])
         return start
 
