@@ -153,6 +153,18 @@ def write_model_card(trainer, card: dict) -> None:
         model_card.complete_card(path, base_model=card.get("finetuned_from"), pipeline_tag=pipeline_tag)
 
 
+def card_fields(task: str, model_args, data_args, *, files: list[str | None], default: str) -> dict:
+    """``create_model_card``'s arguments for a recipe of ``task`` (its pipeline tag): the base model,
+    the license, and the data (`dataset_card_fields`)."""
+    return {
+        "finetuned_from": model_args.model_name_or_path,
+        "tasks": task,
+        "pipeline_tag": task,
+        "license": model_args.license,
+        **dataset_card_fields(data_args.dataset_name, data_args.dataset_config_name, files, default=default),
+    }
+
+
 def dataset_card_fields(name: str | None, config_name: str | None, files: list[str | None], default: str) -> dict:
     """``create_model_card``'s dataset arguments: a Hub dataset by id (listed in the card's
     ``datasets`` metadata), local files by name, else the recipe's offline default."""

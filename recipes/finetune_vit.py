@@ -27,7 +27,7 @@ import torch
 from common import (
     CO2_RECIPE_DEFAULTS,
     WallClock,
-    dataset_card_fields,
+    card_fields,
     load_accuracy,
     parse_arguments,
     train_and_report,
@@ -334,18 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         * training_args.gradient_accumulation_steps
         * training_args.world_size
     )
-    card = {
-        "finetuned_from": model_args.model_name_or_path,
-        "tasks": "image-classification",
-        "pipeline_tag": "image-classification",
-        "license": model_args.license,
-        **dataset_card_fields(
-            data_args.dataset_name,
-            data_args.dataset_config_name,
-            [data_args.train_dir, data_args.validation_dir],
-            default=DEFAULT_DATASET,
-        ),
-    }
+    files = [data_args.train_dir, data_args.validation_dir]
+    card = card_fields("image-classification", model_args, data_args, files=files, default=DEFAULT_DATASET)
     title = f"ViT {model_args.model_size} on {data_args.dataset_name or data_args.train_dir or 'digits'}"
     train_and_report(
         trainer,

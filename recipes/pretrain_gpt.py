@@ -29,7 +29,7 @@ from common import (
     CO2_RECIPE_DEFAULTS,
     LRSpike,
     WallClock,
-    dataset_card_fields,
+    card_fields,
     load_accuracy,
     parse_arguments,
     train_and_report,
@@ -461,18 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         * training_args.gradient_accumulation_steps
         * training_args.world_size
     )
-    card = {
-        "finetuned_from": model_args.model_name_or_path,
-        "tasks": "text-generation",
-        "pipeline_tag": "text-generation",
-        "license": model_args.license,
-        **dataset_card_fields(
-            data_args.dataset_name,
-            data_args.dataset_config_name,
-            [data_args.train_file, data_args.validation_file],
-            default=DEFAULT_DATASET,
-        ),
-    }
+    files = [data_args.train_file, data_args.validation_file]
+    card = card_fields("text-generation", model_args, data_args, files=files, default=DEFAULT_DATASET)
     title = f"{_model_name(model_args)} on {data_args.dataset_name or data_args.train_file or 'Shakespeare'}"
     train_and_report(
         trainer,
