@@ -33,15 +33,15 @@ file in 4 billion passes); SHA-1 is as fast as SHA-256 here and broken. 0.64 s p
 
 - Saving: the rank that wrote a ``co2_rank{r}.pt`` hashes it (the rank files are most of a
   checkpoint's bytes, so that cost is spread over the ranks and paid in parallel) and reports it
-  with its size; the leader hashes the rest, which the framework wrote from rank 0 and which are
-  in its page cache.
+  with its size; the leader hashes the rest (which the framework wrote from rank 0: they are in
+  its page cache) with its own rank file, `HASH_THREADS` files at a time.
 - Resuming: each rank verifies the files it reads, before anything is loaded: its own rank file
   and every shared file (the model, optimizer, scheduler, RNG files), not the other ranks' rank
   files. The shared files are verified by every rank because every rank reads them (the Trainer
   and Accelerate load the model and optimizer on every process) and, with per-node disks, each
-  node has its own copy. A mismatch raises ValueError naming the file, the expected and the found
-  checksum (`agree` makes every rank raise it, not just the one that found it); a missing or
-  truncated file is refused by its size first, as before.
+  node has its own copy; a few files at a time, as at a save. A mismatch raises ValueError
+  naming the file, the expected and the found checksum (`agree` makes every rank raise it, not
+  just the one that found it); a missing or truncated file is refused by its size first, as before.
 - A manifest of format 1 (sizes only, co2_hf before checksums) is still accepted, with a WARNING
   that its files cannot be verified: refusing it would strand every run saved before the upgrade,
   and its sizes are still checked.
@@ -57,6 +57,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -76,6 +77,7 @@ STAGING_DIR = "_co2_staging"
 MANIFEST_FORMAT = 2  # 2: every file with its bytes and sha256; 1: bytes only
 CHECKSUM = "sha256"
 CHECKSUM_BLOCK = 4 << 20  # bytes read per update: large enough that the hash, not Python, is the cost
+HASH_THREADS = 4  # files hashed at once by one rank (the leader's several, or a resume's)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,8 +204,9 @@ def publish(staging: str, final_dir: str, *, rank: int, leader: int, world_size:
     node's local rank 0 with per-node disks."""
     own = rank_file(staging, rank)
     mine = {"rank": rank, "leader": leader, "files": {}}
-    if os.path.exists(own):  # hashed here, by its writer: the ranks hash their files in parallel
-        mine["files"][os.path.basename(own)] = _describe(own)
+    if os.path.exists(own):  # hashed by its writer: the ranks hash their files in parallel; the
+        # leader's own is hashed with the framework's files, concurrently (`_describe_files`)
+        mine["files"][os.path.basename(own)] = {"bytes": os.path.getsize(own)} if rank == leader else _describe(own)
     reports = _all_gather(mine)
     outcome = "ok"
     if rank == leader:
@@ -322,10 +325,9 @@ def _verify(directory: str, files: dict[str, dict], *, others: set[str], old: bo
                 CHECKSUM,
             )
         return
-    for name, entry in files.items():
-        if name in others:
-            continue
-        found = file_checksum(os.path.join(directory, name))
+    mine = [name for name in files if name not in others]
+    for name, found in zip(mine, _checksums(directory, mine)):
+        entry = files[name]
         if found != entry[CHECKSUM]:
             raise ValueError(
                 f"checkpoint {directory} is corrupted: {name} has {CHECKSUM} {found} but its "
@@ -364,18 +366,31 @@ def file_checksum(path: str) -> str:
     return digest.hexdigest()
 
 
+def _checksums(directory: str, names: list[str]) -> list[str]:
+    """`file_checksum` of each file, a few at a time: hashlib releases the GIL while it hashes, so
+    the rank file, the model and the optimizer cost the largest of them, not their sum."""
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        return list(pool.map(lambda name: file_checksum(os.path.join(directory, name)), names))
+
+
 def _describe(path: str) -> dict[str, Any]:
     return {"bytes": os.path.getsize(path), CHECKSUM: file_checksum(path)}
 
 
 def _describe_files(directory: str, reported: dict[str, dict]) -> dict[str, dict]:
-    """Every file under ``directory``: as its rank reported it, or hashed here."""
-    files = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            relative = os.path.relpath(os.path.join(root, name), directory)
-            files[relative] = reported.get(relative) or _describe(os.path.join(directory, relative))
-    return dict(sorted(files.items()))
+    """Every file under ``directory``, with its size and checksum: as its rank reported it, or
+    hashed here."""
+    names = sorted(
+        os.path.relpath(os.path.join(root, name), directory) for root, _, files in os.walk(directory) for name in files
+    )
+    todo = [name for name in names if CHECKSUM not in reported.get(name, {})]
+    hashed = dict(zip(todo, _checksums(directory, todo)))
+    return {
+        name: {"bytes": os.path.getsize(os.path.join(directory, name)), CHECKSUM: hashed[name]}
+        if name in hashed
+        else reported[name]
+        for name in names
+    }
 
 
 def _fsync_dir(directory: str) -> None:
