@@ -344,6 +344,11 @@ def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soak
             checkpoint.read_rank_state(folder, reader, 2)
         if name == "co2_rank0.pt":  # rank 1 does not read it; in a run `agree` makes rank 1 refuse too
             checkpoint.check_complete(folder, 1, 2)
+    folder = str(tmp_path / "manifest")
+    shutil.copytree(complete, folder)
+    corrupt(os.path.join(folder, checkpoint.MANIFEST_FILE))
+    with pytest.raises(ValueError, match="is corrupted: its co2_manifest.json is not valid JSON"):
+        checkpoint.read_rank_state(folder, 1, 2)
 
 
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)

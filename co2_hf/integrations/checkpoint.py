@@ -280,7 +280,11 @@ def check_complete(
             "finish (or it was copied from a staging folder). Resume from an earlier checkpoint."
         )
     with open(path) as f:
-        manifest = json.load(f)
+        try:
+            manifest = json.load(f)
+        except ValueError as error:  # not UTF-8 or not JSON: the manifest has no checksum of its own
+            message = f"checkpoint {directory} is corrupted: its {MANIFEST_FILE} is not valid JSON ({error})"
+            raise ValueError(message) from error
     _check_world_size(directory, manifest["world_size"], world_size)
     if not manifest["ranks"]:
         raise ValueError(_no_co2_state(directory))

@@ -88,6 +88,7 @@ class CO2Trainer(Trainer):
             )
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
+        self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
         self._warned_local_gathers = False
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
@@ -358,7 +359,7 @@ class CO2Trainer(Trainer):
     def _restore_co2(self, directory: str) -> None:
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
         restored the anchor into the model and rank 0's optimizer everywhere)."""
-        verified = getattr(self, "_co2_verified", None) == directory  # by `_check_resumable`, just before
+        verified = self._co2_verified == directory  # by `_check_resumable`, just before
         rank, world = self.args.process_index, self.args.world_size
         state = checkpoint.read_rank_state(directory, rank, world, verify=not verified)
         checkpoint.apply_rank_state(
