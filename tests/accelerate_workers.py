@@ -61,3 +61,30 @@ def uninterrupted_and_stopped(rank: int, world: int, out: str) -> dict:
 
 def resumed(rank: int, world: int, out: str) -> dict:
     return loop(rank, world, out, resume=True)
+
+
+def refused_loads(rank: int, world: int, folders: str) -> dict:
+    """``accelerator.load_state`` of each damaged copy under ``folders``: its error, and whether
+    anything had been loaded before the refusal."""
+    import glob
+    import os
+
+    from accelerate import Accelerator
+
+    _env(rank, world)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(1000 + rank)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    CO2Accelerate(accelerator, model, optimizer, config=CO2Config(**CFG))
+    before = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    errors = {}
+    for folder in sorted(glob.glob(os.path.join(folders, "*"))):
+        try:
+            accelerator.load_state(folder)
+            errors[os.path.basename(folder)] = None
+        except ValueError as refused:
+            errors[os.path.basename(folder)] = str(refused)
+    after = accelerator.unwrap_model(model).state_dict()
+    return {"errors": errors, "untouched": all(torch.equal(after[k], v) for k, v in before.items())}

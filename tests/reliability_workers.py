@@ -198,3 +198,13 @@ def _fault(co2: CO2, signame: str, marker: str, when: str) -> None:
     os.replace(marker + ".tmp", marker)
     os.kill(os.getpid(), getattr(signal, signame))
     time.sleep(60)  # SIGSTOP: frozen here until the launcher kills it
+
+
+def corrupt(path: str) -> None:
+    """Flip the 8 bytes in the middle of a file, its size unchanged: a bad copy, bit rot."""
+    middle = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(middle)
+        f.write(flipped)

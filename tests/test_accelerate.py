@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from accelerate_workers import SAVE_AT, resumed, uninterrupted_and_stopped
+from accelerate_workers import SAVE_AT, refused_loads, resumed, uninterrupted_and_stopped
 from distributed import run_processes
 
 
@@ -202,3 +202,25 @@ def test_accelerate_loop_recipe_runs_the_baseline(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "co2_enabled=False" in done.stdout and "step 2: loss" in done.stdout
     assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "co2_config.json").exists()
+
+
+@pytest.mark.timeout(320)
+def test_load_state_refuses_a_same_size_corruption_naming_the_file_on_every_rank(runs, tmp_path):
+    """8 bytes overwritten in the middle of a rank file, the model or the optimizer: every rank
+    refuses before Accelerate loads anything (rank 0 says rank 1 refused its own file)."""
+    import shutil
+
+    from reliability_workers import corrupt
+
+    out, _, _ = runs
+    damaged = ["co2_rank1.pt", "model.safetensors", "optimizer.bin"]
+    for name in damaged:
+        shutil.copytree(out, tmp_path / name)
+        corrupt(str(tmp_path / name / name))
+    ranks = run_processes(refused_loads, 2, str(tmp_path), timeout_s=150)
+    for rank, result in enumerate(ranks):
+        assert result["untouched"], rank
+        for name in damaged:
+            error = result["errors"][name]
+            assert error is not None and f"is corrupted: {name} has sha256" in error, (rank, name, error)
+    assert ranks[0]["errors"]["co2_rank1.pt"].startswith("rank 1 refused the checkpoint: ")

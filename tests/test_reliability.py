@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from reliability_workers import FAULT_TIMEOUT_S, FAULTS, NAN_STEP, TAU, nan_suite, peer_faults
+from reliability_workers import FAULT_TIMEOUT_S, FAULTS, NAN_STEP, TAU, corrupt, nan_suite, peer_faults
 
 from co2_hf import CO2, CO2Config
 from co2_hf.integrations import checkpoint
@@ -316,6 +316,61 @@ def test_incomplete_or_mismatched_checkpoints_are_refused(soaked, tmp_path):
         checkpoint.check_complete(complete, 0, 2, step=30)
 
 
+# each damaged file, and the rank that reads it on resume (the other ranks' files are their own ranks' to verify)
+CORRUPTED = {
+    "co2_rank1.pt": 1,
+    "co2_rank0.pt": 0,
+    "model.safetensors": 1,
+    "optimizer.pt": 1,
+    "scheduler.pt": 1,
+    "trainer_state.json": 1,
+    "rng_state_1.pth": 1,
+}
+
+
+@pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
+def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soaked, tmp_path):
+    out, _ = soaked
+    complete = os.path.join(out, "faulted", "checkpoint-40")
+    manifest = checkpoint.check_complete(complete, 1, 2, step=40)
+    assert manifest["format"] == 2 and set(CORRUPTED) <= set(manifest["files"])
+    for name, reader in CORRUPTED.items():
+        folder = str(tmp_path / name)
+        shutil.copytree(complete, folder)
+        corrupt(os.path.join(folder, name))
+        expected = manifest["files"][name]["sha256"]
+        found = rf"{re.escape(name)} has sha256 [0-9a-f]{{64}} but its co2_manifest.json says {expected}"
+        with pytest.raises(ValueError, match=rf"{re.escape(folder)} is corrupted: {found}"):
+            checkpoint.read_rank_state(folder, reader, 2)
+        if name == "co2_rank0.pt":  # rank 1 does not read it; in a run `agree` makes rank 1 refuse too
+            checkpoint.check_complete(folder, 1, 2)
+    folder = str(tmp_path / "manifest")
+    shutil.copytree(complete, folder)
+    corrupt(os.path.join(folder, checkpoint.MANIFEST_FILE))
+    with pytest.raises(ValueError, match="is corrupted: its co2_manifest.json is not valid JSON"):
+        checkpoint.read_rank_state(folder, 1, 2)
+
+
+@pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
+def test_a_manifest_without_checksums_is_still_read_with_a_warning(soaked, tmp_path, caplog):
+    """Format 1 (sizes only, saved before checksums): accepted, never silently; sizes still checked."""
+    out, _ = soaked
+    folder = str(tmp_path / "format1")
+    shutil.copytree(os.path.join(out, "faulted", "checkpoint-40"), folder)
+    path = os.path.join(folder, checkpoint.MANIFEST_FILE)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest.update(format=1, files={name: entry["bytes"] for name, entry in manifest["files"].items()})
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+        checkpoint.read_rank_state(folder, 0, 2)
+    assert "of format 1 (sizes only" in caplog.text and "same-size corruption cannot be detected" in caplog.text
+    _truncate(os.path.join(folder, "co2_rank1.pt"))
+    with pytest.raises(ValueError, match="co2_rank1.pt has 10 bytes"):
+        checkpoint.read_rank_state(folder, 1, 2)
+
+
 def _truncate(path: str) -> None:
     with open(path, "r+b") as f:
         f.truncate(10)
@@ -387,3 +442,24 @@ def test_hub_push_from_a_checkpoint_uploads_the_published_folder(tmp_path, monke
     pushed = [(folder, files) for path, folder, files in uploads if path == "last-checkpoint"]
     assert [folder for folder, _ in pushed] == [str(tmp_path / "checkpoint-6"), str(tmp_path / "checkpoint-12")]
     assert all(checkpoint.MANIFEST_FILE in files and "co2_rank0.pt" in files for _, files in pushed)
+
+
+@pytest.mark.timeout(90)
+def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
+    """``resume_from_checkpoint`` with 8 bytes overwritten in the rank file, the model or the
+    optimizer: refused before training, naming the file."""
+    from trainer_workers import dataset, make_args, tiny_gpt2
+
+    from co2_hf import CO2Trainer
+
+    saved = make_args(str(tmp_path / "run"), max_steps=4, save_strategy="steps", save_steps=4)
+    CO2Trainer(model=tiny_gpt2(), args=saved, train_dataset=dataset()).train()
+    for name in ("co2_rank0.pt", "model.safetensors", "optimizer.pt"):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "run" / "checkpoint-4", folder)
+        corrupt(str(folder / name))
+        args = make_args(str(tmp_path / "again"), max_steps=8)
+        again = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+        with pytest.raises(ValueError, match=rf"is corrupted: {re.escape(name)} has sha256"):
+            again.train(resume_from_checkpoint=str(folder))
+        assert again.state.global_step == 0 and again.co2 is None  # before CO2 or training started

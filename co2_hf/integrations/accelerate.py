@@ -29,7 +29,8 @@ workers during local steps (DDP also skips its buffer broadcast then); during
 makes every rank write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2
 state), which a registered checkpoint object restores after Accelerate has loaded the rest.
 ``co2.save_state(folder)`` does the same atomically: the folder appears only once complete, with a
-manifest that ``load_state`` checks (a plain ``accelerator.save_state`` folder has none).
+manifest of sizes and checksums that ``load_state`` checks before reading anything, refusing a
+missing, truncated or corrupted file by name (a plain ``accelerator.save_state`` folder has none).
 
 FSDP2 inside a worker (``co2_worker_size = k``): shard the model with ``fully_shard(module,
 mesh=co2_hf.core.worker_mesh(k, timeout_s=co2_timeout_s))`` before making the optimizer, and prepare it with
@@ -221,7 +222,9 @@ class CO2Accelerate:
     def _load_hook(self, models: list, input_dir: str) -> None:
         # Accelerate loads the anchor and rank 0's optimizer next; the restorer runs after that
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        checkpoint.read_rank_state(input_dir, rank, world, require_manifest=False)
+        # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
+        # refusing when one does (`checkpoint.agree`); the restorer then checks sizes only
+        checkpoint.agree(checkpoint.check_rank_state, input_dir, rank, world, require_manifest=False)
         self._load_dir = input_dir
         if self.co2.layout.presharded:
             # FSDP2: the model file is the whole anchor and optimizer.bin rank 0's shards; neither
@@ -248,7 +251,7 @@ class _RankStateRestorer:
         if owner._skipped_loads is not None:
             owner._skipped_loads.undo()
             owner._skipped_loads = None
-        saved = checkpoint.read_rank_state(owner._load_dir, rank, world, require_manifest=False)
+        saved = checkpoint.read_rank_state(owner._load_dir, rank, world, require_manifest=False, verify=False)
         checkpoint.apply_rank_state(
             saved, co2=owner.co2, model=owner.module, optimizer=owner.optimizer, scaler=owner.accelerator.scaler
         )

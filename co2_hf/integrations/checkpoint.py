@@ -10,25 +10,55 @@ A checkpoint becomes visible only when complete (`begin_save`, then `publish`):
 1. the leader (global rank 0; with per-node disks, each node's local rank 0) clears
    ``_co2_staging/`` next to the final folder; a barrier;
 2. every rank writes its files into ``_co2_staging/<name>``;
-3. an all-gather of what each rank wrote (file, bytes) doubles as the barrier after writing;
-4. the leader checks that every reported file is on its disk, writes ``co2_manifest.json`` (every
-   file with its size, the world size, the step) and renames the folder to its final name;
+3. every rank hashes its own ``co2_rank{r}.pt``; an all-gather of what each rank wrote (file,
+   bytes, checksum) doubles as the barrier after writing;
+4. the leader checks that every reported file is on its disk, hashes the other files of the folder
+   (the framework's model, optimizer, scheduler, RNG and tokenizer files), writes
+   ``co2_manifest.json`` (every file with its size and checksum, the world size, the step) and
+   renames the folder to its final name;
 5. an all-gather of the leaders' outcomes: every rank raises if any leader failed, and returns
    only once the checkpoint is visible.
 
 A process killed at any point leaves the previous checkpoints as they were and, at worst, a
 folder in ``_co2_staging/`` that the next save clears. `check_complete` refuses a folder whose
 manifest is missing or does not match its files, the world size or the rank.
+
+Checksums (silent corruption: a bad copy or bit rot keeps a file's size). Each file's SHA-256,
+streamed in 4 MiB blocks into one buffer (`file_checksum`). Why SHA-256: measured with
+``python scripts/checksum_cost.py`` (one core, from the page cache) it hashes at 1.56 GB/s here,
+against 0.87 GB/s for BLAKE2b (OpenSSL uses the CPU's SHA instructions, where they exist); it is
+in the standard library, and a user can check a file by hand with ``sha256sum``. CRC-32 (zlib) is
+twice as fast (3.3 GB/s) but a 32-bit error-detecting code, not a content identity (one damaged
+file in 4 billion passes); SHA-1 is as fast as SHA-256 here and broken. 0.64 s per GB hashed.
+
+- Saving: the rank that wrote a ``co2_rank{r}.pt`` hashes it (the rank files are most of a
+  checkpoint's bytes, so that cost is spread over the ranks and paid in parallel) and reports it
+  with its size; the leader hashes the rest (which the framework wrote from rank 0: they are in
+  its page cache) with its own rank file, `HASH_THREADS` files at a time.
+- Resuming: each rank verifies the files it reads, before anything is loaded: its own rank file
+  and every shared file (the model, optimizer, scheduler, RNG files), not the other ranks' rank
+  files. The shared files are verified by every rank because every rank reads them (the Trainer
+  and Accelerate load the model and optimizer on every process) and, with per-node disks, each
+  node has its own copy; a few files at a time, as at a save. A mismatch raises ValueError
+  naming the file, the expected and the found checksum (`agree` makes every rank raise it, not
+  just the one that found it); a missing or truncated file is refused by its size first, as before.
+- A manifest of format 1 (sizes only, co2_hf before checksums) is still accepted, with a WARNING
+  that its files cannot be verified: refusing it would strand every run saved before the upgrade,
+  and its sizes are still checked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
+import logging
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +74,13 @@ MANIFEST_FILE = "co2_manifest.json"
 # Saves in progress. The leading "_" keeps it out of the Trainer's Hub uploads of output_dir, and
 # it does not match "checkpoint-*", so neither get_last_checkpoint nor rotation ever sees it.
 STAGING_DIR = "_co2_staging"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: every file with its bytes and sha256; 1: bytes only
+CHECKSUM = "sha256"
+CHECKSUM_BLOCK = 4 << 20  # bytes read per update: large enough that the hash, not Python, is the cost
+HASH_THREADS = 4  # files hashed at once by one rank (the leader's several, or a resume's)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def rank_file(directory: str, rank: int) -> str:
@@ -65,20 +101,30 @@ def save_rank_state(
     torch.save(state, rank_file(directory, rank))
 
 
-def read_rank_state(directory: str, rank: int, world_size: int, *, require_manifest: bool = True) -> dict[str, Any]:
+def read_rank_state(
+    directory: str, rank: int, world_size: int, *, require_manifest: bool = True, verify: bool = True
+) -> dict[str, Any]:
     """This rank's file of a checkpoint; refuse clearly when the checkpoint cannot resume exactly.
 
     ``require_manifest=False`` also accepts a folder written without `publish` (a plain
-    ``accelerator.save_state``), checked by counting its rank files.
+    ``accelerator.save_state``), checked by counting its rank files. ``verify=False`` skips the
+    checksums (sizes are still checked): for a caller that verified this folder just before.
     """
-    if require_manifest or os.path.exists(os.path.join(directory, MANIFEST_FILE)):
-        check_complete(directory, rank, world_size)
-    else:
-        found = glob.glob(os.path.join(directory, RANK_FILE.format(rank="*")))
-        if not found:
-            raise ValueError(_no_co2_state(directory))
-        _check_world_size(directory, len(found), world_size)
+    check_rank_state(directory, rank, world_size, require_manifest=require_manifest, verify=verify)
     return torch.load(rank_file(directory, rank), map_location="cpu", weights_only=False)
+
+
+def check_rank_state(
+    directory: str, rank: int, world_size: int, *, require_manifest: bool = True, verify: bool = True
+) -> None:
+    """`read_rank_state`'s checks, without loading anything."""
+    if require_manifest or os.path.exists(os.path.join(directory, MANIFEST_FILE)):
+        check_complete(directory, rank, world_size, verify=verify)
+        return
+    found = glob.glob(os.path.join(directory, RANK_FILE.format(rank="*")))
+    if not found:
+        raise ValueError(_no_co2_state(directory))
+    _check_world_size(directory, len(found), world_size)
 
 
 def _no_co2_state(directory: str) -> str:
@@ -158,8 +204,9 @@ def publish(staging: str, final_dir: str, *, rank: int, leader: int, world_size:
     node's local rank 0 with per-node disks."""
     own = rank_file(staging, rank)
     mine = {"rank": rank, "leader": leader, "files": {}}
-    if os.path.exists(own):
-        mine["files"][os.path.basename(own)] = os.path.getsize(own)
+    if os.path.exists(own):  # hashed by its writer: the ranks hash their files in parallel; the
+        # leader's own is hashed with the framework's files, concurrently (`_describe_files`)
+        mine["files"][os.path.basename(own)] = {"bytes": os.path.getsize(own)} if rank == leader else _describe(own)
     reports = _all_gather(mine)
     outcome = "ok"
     if rank == leader:
@@ -175,10 +222,10 @@ def publish(staging: str, final_dir: str, *, rank: int, leader: int, world_size:
 
 
 def _write_manifest(staging: str, ranks: list[dict], *, world_size: int, step: int) -> None:
-    rank_files = {}
+    rank_files, reported = {}, {}
     for report in ranks:
-        for name, size in report["files"].items():
-            path = os.path.join(staging, name)
+        for name, entry in report["files"].items():
+            path, size = os.path.join(staging, name), entry["bytes"]
             if not os.path.exists(path) or os.path.getsize(path) != size:
                 raise ValueError(
                     f"rank {report['rank']}'s {name} ({size} bytes) is not in {staging} as seen from "
@@ -186,12 +233,13 @@ def _write_manifest(staging: str, ranks: list[dict], *, world_size: int, step: i
                     "each node publishes its own copy"
                 )
             rank_files[str(report["rank"])] = {"file": name, "bytes": size}
+            reported[name] = entry
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
         "world_size": world_size,
         "ranks": rank_files,
-        "files": _file_sizes(staging),
+        "files": _describe_files(staging, reported),
     }
     tmp = os.path.join(staging, MANIFEST_FILE + ".tmp")
     with open(tmp, "w") as f:
@@ -216,8 +264,13 @@ def _rename(staging: str, final_dir: str) -> None:
         os.rmdir(os.path.dirname(staging))
 
 
-def check_complete(directory: str, rank: int, world_size: int, *, step: int | None = None) -> dict[str, Any]:
-    """Refuse, with a message saying why, a checkpoint that cannot resume this rank exactly."""
+def check_complete(
+    directory: str, rank: int, world_size: int, *, step: int | None = None, verify: bool = True
+) -> dict[str, Any]:
+    """Refuse, with a message saying why, a checkpoint that cannot resume this rank exactly.
+
+    ``verify``: also compare the checksums of the files this rank reads (see the module docstring).
+    """
     path = os.path.join(directory, MANIFEST_FILE)
     if not os.path.exists(path):
         if not glob.glob(os.path.join(directory, RANK_FILE.format(rank="*"))):
@@ -227,7 +280,11 @@ def check_complete(directory: str, rank: int, world_size: int, *, step: int | No
             "finish (or it was copied from a staging folder). Resume from an earlier checkpoint."
         )
     with open(path) as f:
-        manifest = json.load(f)
+        try:
+            manifest = json.load(f)
+        except ValueError as error:  # not UTF-8 or not JSON: the manifest has no checksum of its own
+            message = f"checkpoint {directory} is corrupted: its {MANIFEST_FILE} is not valid JSON ({error})"
+            raise ValueError(message) from error
     _check_world_size(directory, manifest["world_size"], world_size)
     if not manifest["ranks"]:
         raise ValueError(_no_co2_state(directory))
@@ -239,25 +296,105 @@ def check_complete(directory: str, rank: int, world_size: int, *, step: int | No
         )
     if step is not None and manifest["step"] != step:
         raise ValueError(f"checkpoint {directory} mixes steps: its manifest says {manifest['step']}, not {step}")
-    for name, size in manifest["files"].items():
+    files = {name: entry if isinstance(entry, dict) else {"bytes": entry} for name, entry in manifest["files"].items()}
+    for name, entry in files.items():  # sizes first: cheap, and a truncated file says so
         file = os.path.join(directory, name)
         actual = os.path.getsize(file) if os.path.exists(file) else None
-        if actual != size:
+        if actual != entry["bytes"]:
             found = "is missing" if actual is None else f"has {actual} bytes"
             raise ValueError(
                 f"checkpoint {directory} is incomplete or was changed after it was saved: {name} "
-                f"{found}, its {MANIFEST_FILE} says {size} bytes"
+                f"{found}, its {MANIFEST_FILE} says {entry['bytes']} bytes"
             )
+    if verify:
+        old = manifest.get("format", 1) < 2
+        _verify(directory, files, others=_other_rank_files(manifest, rank), old=old, rank=rank)
     return manifest
 
 
-def _file_sizes(directory: str) -> dict[str, int]:
-    sizes = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
-    return dict(sorted(sizes.items()))
+def _other_rank_files(manifest: dict[str, Any], rank: int) -> set[str]:
+    """The rank files this rank does not read (their own ranks verify them)."""
+    return {entry["file"] for r, entry in manifest["ranks"].items() if r != str(rank)}
+
+
+def _verify(directory: str, files: dict[str, dict], *, others: set[str], old: bool, rank: int) -> None:
+    if old:  # format 1: sizes only; say so rather than pass silently
+        if rank == 0:
+            logger.warning(
+                "CO2: checkpoint %s has a %s of format 1 (sizes only, saved before co2_hf recorded "
+                "checksums): its files are checked by size but a same-size corruption cannot be "
+                "detected. The next checkpoints saved will carry %s checksums.",
+                directory,
+                MANIFEST_FILE,
+                CHECKSUM,
+            )
+        return
+    mine = [name for name in files if name not in others]
+    for name, found in zip(mine, _checksums(directory, mine)):
+        entry = files[name]
+        if found != entry[CHECKSUM]:
+            raise ValueError(
+                f"checkpoint {directory} is corrupted: {name} has {CHECKSUM} {found} but its "
+                f"{MANIFEST_FILE} says {entry[CHECKSUM]} (same size, other bytes: a bad copy or a "
+                "disk error). Resume from another checkpoint, or copy this one again from its source."
+            )
+
+
+def agree(check: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``check(*args, **kwargs)`` on every rank; when it raises ValueError on any, raise on every rank.
+
+    Collective. A rank that refused a checkpoint alone would leave the others to train into their
+    first collective and stop only at the timeout, with an error that says nothing of the file.
+    """
+    try:
+        result, error = check(*args, **kwargs), None
+    except ValueError as refused:
+        result, error = None, str(refused)
+    errors = [(r, e) for r, e in enumerate(_all_gather(error)) if e is not None]
+    if error is not None:
+        raise ValueError(error)
+    if errors:
+        r, other = errors[0]
+        raise ValueError(f"rank {r} refused the checkpoint: {other}")
+    return result
+
+
+def file_checksum(path: str) -> str:
+    """The file's `CHECKSUM`, hex, read in `CHECKSUM_BLOCK` blocks into one reused buffer."""
+    digest = hashlib.new(CHECKSUM)
+    buffer = bytearray(CHECKSUM_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while read := f.readinto(buffer):
+            digest.update(view[:read])
+    return digest.hexdigest()
+
+
+def _checksums(directory: str, names: list[str]) -> list[str]:
+    """`file_checksum` of each file, a few at a time: hashlib releases the GIL while it hashes, so
+    the rank file, the model and the optimizer cost the largest of them, not their sum."""
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        return list(pool.map(lambda name: file_checksum(os.path.join(directory, name)), names))
+
+
+def _describe(path: str) -> dict[str, Any]:
+    return {"bytes": os.path.getsize(path), CHECKSUM: file_checksum(path)}
+
+
+def _describe_files(directory: str, reported: dict[str, dict]) -> dict[str, dict]:
+    """Every file under ``directory``, with its size and checksum: as its rank reported it, or
+    hashed here."""
+    names = sorted(
+        os.path.relpath(os.path.join(root, name), directory) for root, _, files in os.walk(directory) for name in files
+    )
+    todo = [name for name in names if CHECKSUM not in reported.get(name, {})]
+    hashed = dict(zip(todo, _checksums(directory, todo)))
+    return {
+        name: {"bytes": os.path.getsize(os.path.join(directory, name)), CHECKSUM: hashed[name]}
+        if name in hashed
+        else reported[name]
+        for name in names
+    }
 
 
 def _fsync_dir(directory: str) -> None:

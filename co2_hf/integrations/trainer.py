@@ -88,6 +88,7 @@ class CO2Trainer(Trainer):
             )
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
+        self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
         self._warned_local_gathers = False
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
@@ -118,9 +119,11 @@ class CO2Trainer(Trainer):
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _check_resumable(self, directory: str) -> None:
-        """An incomplete, copied or mismatched checkpoint is refused, saying why (`check_complete`)."""
-        step = _saved_step(directory)
-        checkpoint.check_complete(directory, self.args.process_index, self.args.world_size, step=step)
+        """An incomplete, copied, corrupted or mismatched checkpoint is refused, saying why, on every
+        rank (`check_complete` with its checksums, `checkpoint.agree`), before any file is read."""
+        step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
+        checkpoint.agree(checkpoint.check_complete, directory, rank, world, step=step)
+        self._co2_verified = directory  # `_restore_co2` then checks sizes only: no second hashing
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         # the Trainer's one place where the optimizer is made, the model prepared and a checkpoint's
@@ -356,7 +359,9 @@ class CO2Trainer(Trainer):
     def _restore_co2(self, directory: str) -> None:
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
         restored the anchor into the model and rank 0's optimizer everywhere)."""
-        state = checkpoint.read_rank_state(directory, self.args.process_index, self.args.world_size)
+        verified = self._co2_verified == directory  # by `_check_resumable`, just before
+        rank, world = self.args.process_index, self.args.world_size
+        state = checkpoint.read_rank_state(directory, rank, world, verify=not verified)
         checkpoint.apply_rank_state(
             state,
             co2=self.co2,
