@@ -194,7 +194,7 @@ class ProcessGroupCommunicator(Communicator):
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self._finish(work, tensor, "the warm-up's gradient all-reduce", every_step=True)
+        self._finish_per_step(work, tensor, "the warm-up's gradient all-reduce")
 
     def worker_ranks(self) -> list[int]:
         """The global ranks of this process's worker."""
@@ -219,14 +219,18 @@ class ProcessGroupCommunicator(Communicator):
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         if self.worker_group is not None:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.worker_group, async_op=True)
-            self._finish(work, tensor, "the gradient average over this worker's processes", every_step=True)
+            self._finish_per_step(work, tensor, "the gradient average over this worker's processes")
 
-    def _finish(self, work: Any, tensor: Tensor, what: str, *, every_step: bool = False) -> None:
-        """Wait for a collective, bounded by ``co2_timeout_s``; CUDA per-step ones only join the
-        compute stream (module docstring, "Timeouts")."""
-        if every_step and tensor.is_cuda:
+    def _finish_per_step(self, work: Any, tensor: Tensor, what: str) -> None:
+        """A collective of every inner step: on CUDA it only joins the compute stream (a host sync
+        every step would stall the GPU; module docstring, "Timeouts"), elsewhere `_finish`."""
+        if tensor.is_cuda:
             _block_current_stream(work)
-            return
+        else:
+            self._finish(work, tensor, what)
+
+    def _finish(self, work: Any, tensor: Tensor, what: str) -> None:
+        """Wait for a collective on the host, ``co2_timeout_s`` at most; else CO2's error naming it."""
         try:
             _bounded_wait(work, tensor, self.timeout_s)
         except RuntimeError as error:
@@ -241,6 +245,9 @@ class ProcessGroupCommunicator(Communicator):
         return self._side_streams[device]
 
 
+POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
+
+
 def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
     """Block the host until ``work`` is done, ``timeout_s`` at most (RuntimeError past it); on CUDA
     tensors the compute stream then waits for it too (which returns at once: it is done)."""
@@ -253,9 +260,6 @@ def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
             raise RuntimeError(f"timed out after {timeout_s}s")
         time.sleep(POLL_S)
     _block_current_stream(work)
-
-
-POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
 
 
 def _block_current_stream(work: Any) -> None:
@@ -320,16 +324,23 @@ def make_communicator(
     if worker_size == 1:
         return ProcessGroupCommunicator(dist.new_group(**kwargs), timeout_s=timeout_s)
     everyone = dist.new_group(**kwargs)
-    worker = outer = None
-    for w in range(world // worker_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(w * worker_size, (w + 1) * worker_size)), **kwargs)
-        worker = group if rank // worker_size == w else worker
+    worker, outer = _worker_group(worker_size, **kwargs), None
     for j in range(worker_size):
         group = dist.new_group(list(range(j, world, worker_size)), **kwargs)
         outer = group if rank % worker_size == j else outer
     return ProcessGroupCommunicator(
         outer, worker=worker, everyone=everyone, sharded_params=sharded_params, timeout_s=timeout_s
     )
+
+
+def _worker_group(worker_size: int, **kwargs: Any) -> Any:
+    """This process's worker: the group of ranks ``w*k .. w*k+k-1`` that holds it. Collective: every
+    rank creates every worker's group, in the same order."""
+    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
+    for w in range(world // worker_size):
+        group = dist.new_group(list(range(w * worker_size, (w + 1) * worker_size)), **kwargs)
+        mine = group if rank // worker_size == w else mine
+    return mine
 
 
 _WORKER_MESHES: dict[tuple[str, int, float | None], Any] = {}
@@ -356,9 +367,6 @@ def worker_mesh(worker_size: int, device_type: str | None = None, *, timeout_s: 
     key = (device_type, worker_size, timeout_s)
     if key not in _WORKER_MESHES:
         timeout = group_timeout(timeout_s) if timeout_s is not None else None
-        mine = None
-        for w in range(world // worker_size):  # every rank creates every group, in the same order
-            group = dist.new_group(list(range(w * worker_size, (w + 1) * worker_size)), timeout=timeout)
-            mine = group if dist.get_rank() // worker_size == w else mine
+        mine = _worker_group(worker_size, timeout=timeout)
         _WORKER_MESHES[key] = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("co2_worker",))
     return _WORKER_MESHES[key]
