@@ -71,10 +71,8 @@ def write_card(
     origin = f"a fine-tuned version of `{base_model}`" if base_model else "trained from scratch"
     name = os.path.basename(os.path.dirname(os.path.abspath(card_path)))
     text = f"---\n{data.to_yaml()}\n---\n\n# {name}\n\nThis model is {origin} on {dataset or 'an unknown dataset'}.\n"
-    card = ModelCard(text)
-    if pipeline_tag is None:
-        card.data.pipeline_tag = _task_of(os.path.join(os.path.dirname(card_path) or ".", "config.json"))
-    card.save(card_path)
+    ModelCard(text).save(card_path)
+    complete_card(card_path)  # the pipeline tag, when none was given, from config.json
 
 
 def _task_of(config_path: str) -> str | None:
