@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from trainer_workers import TAU, SequenceProbe, _env, dataset, tiny_gpt2
+from trainer_workers import SequenceProbe, _env, dataset, make_args, tiny_gpt2
 from trl import SFTConfig, SFTTrainer
 
 from co2_hf import CO2Trainer, CO2TrainingArguments
@@ -51,25 +51,8 @@ def sft_classes(co2_first: bool):
 
 
 def sft_args(config_class, output_dir: str, **overrides):
-    kwargs = dict(
-        output_dir=output_dir,
-        max_steps=12,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        logging_steps=4,
-        report_to="none",
-        seed=0,
-        save_strategy="no",
-        co2_local_steps=TAU,
-        disable_tqdm=True,
-        use_cpu=True,
-        bf16=False,  # TRL's default is bf16 where fp16 is off
-        gradient_checkpointing=False,  # TRL's default is on
-        lr_scheduler_type="constant",
-        dataloader_num_workers=0,
-    )
-    kwargs.update(overrides)
-    return config_class(**kwargs)
+    # TRL's defaults differ: bf16 where fp16 is off, gradient checkpointing on
+    return make_args(output_dir, config_class, bf16=False, gradient_checkpointing=False, **overrides)
 
 
 def sft_dataset(n: int = 128):

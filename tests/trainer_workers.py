@@ -37,7 +37,8 @@ def dataset(n: int = 256, seq: int = 16, seed: int = 0):
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def make_args(output_dir: str, **overrides):
+def make_args(output_dir: str, config_class=None, **overrides):
+    """The small runs' arguments (``config_class``: CO2TrainingArguments, or a subclass mixing in another)."""
     from co2_hf import CO2TrainingArguments
 
     kwargs = dict(
@@ -58,7 +59,7 @@ def make_args(output_dir: str, **overrides):
         dataloader_num_workers=0,
     )
     kwargs.update(overrides)
-    return CO2TrainingArguments(**kwargs)
+    return (config_class or CO2TrainingArguments)(**kwargs)
 
 
 class SequenceProbe:
