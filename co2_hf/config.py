@@ -48,6 +48,13 @@ class CO2Config:
         "the local models in place by the anchor's move (partial overlap: the all-reduce must hide "
         "behind k steps). Unset: at the next boundary, a full round of overlap (CO2).",
     )
+    co2_fragments: int = _knob(
+        1,
+        "F >= 1, dividing tau: split the outer state into F fragments whose rounds are offset by "
+        "tau/F steps (streaming CO2): every tau/F steps one fragment launches its all-reduce (1/F "
+        "of the bytes) and its average is applied tau/F steps later, mid-round. 1: the whole model "
+        "in one round.",
+    )
     co2_start_rule: Literal["anchor", "eager", "lookahead"] = _knob(
         "anchor",
         "Where a round starts: 'anchor' (every worker at the shared anchor), 'eager' (the anchor "
@@ -62,7 +69,9 @@ class CO2Config:
         "average standing in for the one in flight). 1: plain eager.",
     )
     co2_gap_penalty: float = _knob(
-        1.0, "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Overlap only."
+        1.0,
+        "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Full overlap only: an "
+        "average applied in-round (co2_overlap_steps, co2_fragments > 1) is not stale.",
     )
     co2_gap_penalty_mode: Literal["gap_aware", "constant"] = _knob(
         "gap_aware",
@@ -142,6 +151,7 @@ class CO2Config:
                 f"co2_overlap_steps={window} needs co2_overlap=True (with co2_overlap=False the average is "
                 "applied at once): allowed value here is None"
             )
+        self._validate_fragments()
         timeout = self.co2_timeout_s
         _check("co2_timeout_s", timeout, _is_real(timeout) and timeout > 0, "a finite number > 0")
         for name, allowed in (
@@ -152,6 +162,32 @@ class CO2Config:
         ):
             value = getattr(self, name)
             _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+
+    def _validate_fragments(self) -> None:
+        _check_int(self, "co2_fragments", minimum=1)
+        fragments, tau = self.co2_fragments, self.co2_local_steps
+        if fragments == 1:
+            return
+        if tau % fragments:
+            raise ValueError(
+                f"co2_fragments={fragments} must divide co2_local_steps={tau} (one fragment reaches its "
+                f"boundary every tau/F steps): allowed values are {_divisors(tau)}"
+            )
+        if self.co2_overlap_steps is not None:
+            raise ValueError(
+                f"co2_overlap_steps={self.co2_overlap_steps} cannot be combined with co2_fragments={fragments}: "
+                f"each fragment's average is applied co2_local_steps / co2_fragments = {tau // fragments} "
+                "steps after its launch. Allowed value here is None"
+            )
+
+    @property
+    def window_steps(self) -> int | None:
+        """k: inner steps between a launch and the in-round apply of its average; None: applied at
+        the next boundary (a full round of overlap). Fragments: tau / F, the gap between two
+        fragments' boundaries."""
+        if self.co2_fragments > 1:
+            return self.co2_local_steps // self.co2_fragments
+        return self.co2_overlap_steps
 
     def check_world(self, world_size: int) -> int:
         """Check what depends on the number of processes; return the number of workers G.

@@ -91,6 +91,18 @@ CONFIGS: dict[str, dict | None] = {
     "win3_eager": dict(co2_overlap_steps=3, co2_outer_momentum=0.5, co2_start_rule="eager"),
     "win6_eager": dict(co2_overlap_steps=6, co2_outer_momentum=0.5, co2_start_rule="eager"),
 }
+# streaming fragments (co2_fragments = F, each applied tau/F steps after its launch): f{F}_{rule}_b{beta}
+_RULES = {"eager": "eager", "look": "lookahead", "anchor": "anchor"}
+CONFIGS.update(
+    {
+        f"f{F}_{rule}_b{beta_name}": dict(
+            co2_fragments=F, co2_start_rule=_RULES[rule], co2_outer_momentum=beta, co2_gap_penalty=0.0
+        )
+        for F in (2, 3, 4, 6, 12)
+        for rule in _RULES
+        for beta_name, beta in (("0", 0.0), ("5", 0.5))
+    }
+)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +113,7 @@ def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:
     from pretrain_gpt import shakespeare_plays, train_bpe
 
     train_text, val_text = shakespeare_plays()
-    tokenizer = train_bpe(train_text, 4096, str(CACHE / "tokenizer"))
+    tokenizer = train_bpe(train_text, 4096)
 
     def blocks(texts):
         ids = [i for t in texts for i in tokenizer(t + tokenizer.eos_token)["input_ids"]]

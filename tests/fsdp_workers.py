@@ -37,7 +37,7 @@ def train_fsdp(rank: int, world: int, cfg_kwargs: dict, steps: int) -> dict:
     co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
     launched = []
     launch = co2.comm.launch
-    header = co2.wire.fp32.numel() - co2.layout.shard_numel
+    header = co2.fragments[0].wire.fp32.numel() - co2.layout.shard_numel
     co2.comm.launch = lambda t: launched.append(t.numel() - header) or launch(t)
     anchors = []
     for step in range(steps):

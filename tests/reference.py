@@ -23,8 +23,29 @@ def synchronised(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
     return params, buffers
 
 
+def fragment_masks(model: nn.Module, fragments: int, worker_size: int) -> list[dict[str, torch.Tensor]]:
+    """Per fragment, which elements of each synchronised tensor belong to it (docs/algorithm.md,
+    section 14): lay the tensors end to end (parameters, then buffers), pad to a multiple of the
+    worker size, cut into ``worker_size`` equal shards and each shard into ``fragments`` equal
+    slices (``edges[f] = f * S // F``); fragment f is slice f of every shard."""
+    params, buffers = synchronised(model)
+    tensors = {**params, **buffers}
+    total = sum(t.numel() for t in tensors.values())
+    shard = -(-total // worker_size)
+    edges = torch.tensor([f * shard // fragments for f in range(1, fragments)], dtype=torch.long)
+    position = torch.arange(total) % shard
+    owner = torch.bucketize(position, edges, right=True)  # fragment of each flat element
+    masks, offset = [{} for _ in range(fragments)], 0
+    for name, tensor in tensors.items():
+        own = owner[offset : offset + tensor.numel()].view(tensor.shape)
+        for f in range(fragments):
+            masks[f][name] = own == f
+        offset += tensor.numel()
+    return masks
+
+
 class ReferenceCO2:
-    def __init__(self, models: list[nn.Module], cfg: CO2Config) -> None:
+    def __init__(self, models: list[nn.Module], cfg: CO2Config, *, worker_size: int | None = None) -> None:
         self.models, self.cfg = models, cfg
         params, buffers = synchronised(models[0])
         with torch.no_grad():  # every worker starts from worker 0's synchronised values
@@ -34,15 +55,26 @@ class ReferenceCO2:
         self.anchor = {n: t.detach().double().clone() for n, t in {**params, **buffers}.items()}
         self.momentum = {n: torch.zeros_like(self.anchor[n]) for n in params}
         self.own = [{n: torch.zeros_like(self.anchor[n]) for n in params} for _ in models]
-        self.pending = None  # (mean outer gradient, mean buffer values) sent one boundary ago
+        F = cfg.co2_fragments
+        self.masks = fragment_masks(models[0], F, worker_size or cfg.co2_worker_size)
+        total = sum(t.numel() for t in params.values())
+        # each fragment's momentum is clipped to phi * sqrt(its share of the parameters)
+        self.clip_share = [sum(int(m[n].sum()) for n in params) / total for m in self.masks]
+        self.pending = [None] * F  # per fragment: (mean outer gradient, mean buffer values) in flight
+        self.since = [0] * F  # inner steps since each fragment's last boundary
         self.steps_in_round = 0
-        # where each worker's current round started (the partial-overlap window shifts from it)
+        # where each worker's current round started (the in-round apply shifts from it)
         self.start = [{n: self.anchor[n].clone() for n in params} for _ in models]
         self.penalties: list[dict[str, torch.Tensor]] = []
 
-    # the outer update, exactly as defined
-    def apply(self, d_mean: dict, buf_mean: dict, stale: bool) -> None:
+    def window(self) -> int | None:
+        """Steps from a launch to the in-round apply (None: at the next boundary)."""
         c = self.cfg
+        return c.co2_local_steps // c.co2_fragments if c.co2_fragments > 1 else c.co2_overlap_steps
+
+    # the outer update, exactly as defined, on fragment f's elements
+    def apply(self, d_mean: dict, buf_mean: dict, stale: bool, f: int = 0) -> None:
+        c, mask = self.cfg, self.masks[f]
         alpha, beta, lam = c.co2_outer_lr, c.co2_outer_momentum, c.co2_gap_penalty
         penalty = {}
         for name, d in d_mean.items():
@@ -56,45 +88,67 @@ class ReferenceCO2:
                 penalty[name] = torch.ones_like(d)
         self.penalties.append(penalty)
         for name, d in d_mean.items():
-            self.momentum[name] = beta * self.momentum[name] + penalty[name] * d
-        norm = math.sqrt(sum(float((m**2).sum()) for m in self.momentum.values()))
-        if c.co2_clip_threshold is not None and norm > c.co2_clip_threshold:
-            for name in self.momentum:
-                self.momentum[name] = self.momentum[name] * (c.co2_clip_threshold / norm)
+            new = beta * self.momentum[name] + penalty[name] * d
+            self.momentum[name] = torch.where(mask[name], new, self.momentum[name])
+        norm = math.sqrt(sum(float((m[mask[n]] ** 2).sum()) for n, m in self.momentum.items()))
+        if c.co2_clip_threshold is not None:
+            phi = c.co2_clip_threshold * math.sqrt(self.clip_share[f])
+            if norm > phi:
+                for name in self.momentum:
+                    scaled = self.momentum[name] * (phi / norm)
+                    self.momentum[name] = torch.where(mask[name], scaled, self.momentum[name])
         for name, d in d_mean.items():
             if c.co2_nesterov:
                 v = beta * self.momentum[name] + penalty[name] * d
             else:
                 v = self.momentum[name]
-            self.anchor[name] = self.anchor[name] - alpha * v
+            self.anchor[name] = torch.where(mask[name], self.anchor[name] - alpha * v, self.anchor[name])
         for name, value in buf_mean.items():
-            self.anchor[name] = value.clone()
+            self.anchor[name] = torch.where(mask[name], value, self.anchor[name])
 
-    def after_inner_step(self) -> None:
+    def after_inner_step(self) -> bool:
+        """Count one inner step and run what is due; True when a (fragment's) boundary ran."""
         self.steps_in_round += 1
-        if self.steps_in_round == self.cfg.co2_local_steps:
-            self.boundary()
-        elif self.steps_in_round == self.cfg.co2_overlap_steps and self.pending is not None:
-            self.apply_in_round()
+        self.since = [n + 1 for n in self.since]
+        tau, F, k = self.cfg.co2_local_steps, self.cfg.co2_fragments, self.window()
+        ran = False
+        if F == 1:
+            if self.steps_in_round == k and self.pending[0] is not None:
+                self.apply_in_round(0)
+            if self.steps_in_round == tau:
+                self.boundary(0)
+                ran = True
+        elif self.steps_in_round % k == 0:
+            j = self.steps_in_round // k  # fragment j - 1 ends its round; the one before it applies
+            if self.pending[(j - 2) % F] is not None:
+                self.apply_in_round((j - 2) % F)
+            self.boundary(j - 1)
+            ran = True
+        if self.steps_in_round == tau:
+            self.steps_in_round = 0
+        return ran
 
-    def apply_in_round(self) -> None:
-        """Partial overlap: the average of the last round arrives k steps into this one. The anchor
-        has not moved since its base, so nothing is stale (P = 1); every local model is moved by
-        (new anchor - where its round started), keeping the k steps it took since."""
-        self.apply(*self.pending, stale=False)
-        self.pending = None
+    def apply_in_round(self, f: int) -> None:
+        """The average of fragment f's last round arrives k steps after its launch. The anchor has
+        not moved since its base, so nothing is stale (P = 1); every local model's fragment is
+        moved by (new anchor - where its round started), keeping the k steps it took since."""
+        mask = self.masks[f]
+        self.apply(*self.pending[f], stale=False, f=f)
+        self.pending[f] = None
         with torch.no_grad():
             for i, model in enumerate(self.models):
                 params, bufs = synchronised(model)
                 for name, p in params.items():
-                    p.add_(self.anchor[name] - self.start[i][name])
-                    self.start[i][name] = self.anchor[name].clone()
+                    moved = p.detach().double() + (self.anchor[name] - self.start[i][name])
+                    p.copy_(torch.where(mask[name], moved, p.detach().double()))
+                    self.start[i][name] = torch.where(mask[name], self.anchor[name], self.start[i][name])
+                    self.own[i][name] = torch.where(mask[name], 0.0, self.own[i][name])
                 for name, b in bufs.items():
-                    b.copy_(self.anchor[name])
-            self.own = [{n: torch.zeros_like(t) for n, t in own.items()} for own in self.own]
+                    b.copy_(torch.where(mask[name], self.anchor[name], b.double()))
 
-    def boundary(self) -> None:
-        self.steps_in_round = 0
+    def boundary(self, f: int = 0) -> None:
+        mask = self.masks[f]
+        self.since[f] = 0
         eager = self.cfg.co2_overlap and self.cfg.co2_start_rule == "eager"
         lookahead = self.cfg.co2_overlap and self.cfg.co2_start_rule == "lookahead"
         outer = []
@@ -106,24 +160,26 @@ class ReferenceCO2:
             _mean([{n: b.detach().double() for n, b in synchronised(m)[1].items()} for m in self.models]),
         )
         if not self.cfg.co2_overlap:
-            self.apply(*sent, stale=False)
-            self.reset(buffers=True)
+            self.apply(*sent, stale=False, f=f)
+            self.reset(f, buffers=True)
             return
-        received, self.pending = self.pending, sent
+        received, self.pending[f] = self.pending[f], sent
         before = {n: t.clone() for n, t in self.anchor.items()}
-        if received is not None:
-            self.apply(*received, stale=True)
+        if received is not None:  # a fragment's slice has not moved since its base: never stale
+            self.apply(*received, stale=self.cfg.co2_fragments == 1, f=f)
+        new_own = None
         if eager:  # start at a - gamma d - (1 - gamma) (the anchor's last move)
             gamma = self.cfg.co2_eager_weight
-            self.own = [{n: gamma * d[n] + (1 - gamma) * (before[n] - self.anchor[n]) for n in d} for d in outer]
+            new_own = [{n: gamma * d[n] + (1 - gamma) * (before[n] - self.anchor[n]) for n in d} for d in outer]
         if lookahead:  # start where the anchor would be if the in-flight average were d
-            self.own = [{n: self.predicted_move(n, d[n]) for n in d} for d in outer]
-        self.reset(buffers=received is not None)
-        if self.cfg.co2_overlap_steps is not None:  # the next round starts where the reset put it
-            self.start = [
-                {n: (self.anchor[n] - self.own[i][n]).clone() for n in self.anchor if n in self.own[i]}
-                for i in range(len(self.models))
-            ]
+            new_own = [{n: self.predicted_move(n, d[n]) for n in d} for d in outer]
+        if new_own is not None:
+            self.own = [{n: torch.where(mask[n], new[n], own[n]) for n in own} for own, new in zip(self.own, new_own)]
+        self.reset(f, buffers=received is not None)
+        if self.window() is not None:  # the next round starts where the reset put it
+            for i in range(len(self.models)):
+                for n in self.own[i]:
+                    self.start[i][n] = torch.where(mask[n], self.anchor[n] - self.own[i][n], self.start[i][n])
 
     def predicted_move(self, name: str, d: torch.Tensor) -> torch.Tensor:
         """alpha times the step the next boundary applies when its average is d (no penalty, no clip)."""
@@ -133,23 +189,27 @@ class ReferenceCO2:
         return self.cfg.co2_outer_lr * step
 
     def finalize(self) -> None:
-        if self.steps_in_round:
-            self.boundary()
-        if self.pending is not None:  # with a window, nothing had moved the anchor since: not stale
-            self.apply(*self.pending, stale=self.cfg.co2_overlap_steps is None)
-            self.pending = None
+        for f in range(self.cfg.co2_fragments):
+            if self.since[f]:
+                self.boundary(f)
+        for f, pending in enumerate(self.pending):
+            if pending is not None:  # with a window, nothing had moved the anchor since: not stale
+                self.apply(*pending, stale=self.window() is None, f=f)
+                self.pending[f] = None
         self.own = [{n: torch.zeros_like(t) for n, t in own.items()} for own in self.own]
-        self.reset(buffers=True)
+        for f in range(self.cfg.co2_fragments):
+            self.reset(f, buffers=True)
 
-    def reset(self, *, buffers: bool) -> None:
+    def reset(self, f: int, *, buffers: bool) -> None:
+        mask = self.masks[f]
         with torch.no_grad():
             for i, model in enumerate(self.models):
                 params, bufs = synchronised(model)
                 for name, p in params.items():
-                    p.copy_(self.anchor[name] - self.own[i][name])
+                    p.copy_(torch.where(mask[name], self.anchor[name] - self.own[i][name], p.detach().double()))
                 if buffers:
                     for name, b in bufs.items():
-                        b.copy_(self.anchor[name])
+                        b.copy_(torch.where(mask[name], self.anchor[name], b.double()))
 
 
 def _mean(dicts: list[dict]) -> dict:

@@ -24,6 +24,8 @@ INVALID = [
     ("co2_overlap", None, "True or False"),
     ("co2_overlap_steps", 0, "integer >= 1 and < co2_local_steps"),
     ("co2_overlap_steps", 12, "must be < co2_local_steps"),
+    ("co2_fragments", 0, "integer >= 1"),
+    ("co2_fragments", 5, "must divide co2_local_steps=12"),
     ("co2_start_rule", "latest", "'anchor', 'eager', 'lookahead'"),
     ("co2_eager_weight", 1.5, "a number in [0, 1]"),
     ("co2_gap_penalty", -1.0, ">= 0"),
@@ -87,3 +89,13 @@ def test_bfloat16_wire_is_limited_to_256_workers():
 def test_co2_dict_round_trips():
     cfg = CO2Config(co2_local_steps=7, co2_clip_threshold=2.0)
     assert CO2Config(**cfg.co2_dict()) == cfg
+
+
+def test_fragments_set_the_window_and_refuse_a_second_one():
+    assert CO2Config(co2_fragments=4).window_steps == 3  # tau 12 / F 4
+    assert CO2Config(co2_overlap_steps=2).window_steps == 2
+    assert CO2Config().window_steps is None
+    with pytest.raises(ValueError, match="co2_overlap_steps=2 cannot be combined with co2_fragments=3.*None"):
+        CO2Config(co2_fragments=3, co2_overlap_steps=2)
+    with pytest.raises(ValueError, match=r"allowed values are \[1, 2, 3, 4, 6, 12\]"):
+        CO2Config(co2_fragments=5)

@@ -211,7 +211,7 @@ def test_metrics_after_rounds():
 def test_outer_state_is_twelve_bytes_per_parameter_plus_two_for_bfloat16():
     _, _, fp32 = _engine()
     n = fp32.layout.padded_numel
-    header = fp32.wire.fp32.numel() - n
+    header = fp32.fragments[0].wire.fp32.numel() - n
     assert fp32.outer_state_nbytes() == 12 * n + 4 * header
     _, _, bf16 = _engine(co2_comm_dtype="bfloat16")
     assert bf16.outer_state_nbytes() == 12 * n + 4 * header + 2 * (n + header)
@@ -233,7 +233,7 @@ def test_bfloat16_on_the_wire_keeps_fp32_state_and_stays_close():
 
 def test_state_device_cpu_places_the_outer_state_in_host_memory():
     _, _, co2 = _engine(co2_state_device="cpu")
-    assert {t.device.type for t in (co2._anchor, co2._momentum, co2.wire.fp32)} == {"cpu"}
+    assert {t.device.type for t in (co2._anchor, co2._momentum, co2.fragments[0].wire.fp32)} == {"cpu"}
     assert not co2._anchor.is_pinned()  # nothing to pin for a model on the CPU
 
 

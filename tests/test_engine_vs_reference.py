@@ -12,7 +12,11 @@ TAU = 3
 
 def steps(kwargs: dict) -> int:
     """Warm-up, four whole rounds and a partial one, which finalize completes."""
-    return kwargs.get("co2_sync_warmup_steps", 0) + 4 * TAU + 2
+    return kwargs.get("co2_sync_warmup_steps", 0) + 4 * kwargs["co2_local_steps"] + 2
+
+
+def with_tau(kwargs: dict) -> dict:
+    return {"co2_local_steps": TAU, **kwargs}
 
 
 SCENARIOS = {
@@ -39,12 +43,29 @@ SCENARIOS = {
     "co2_window_eager": dict(co2_overlap_steps=2, co2_start_rule="eager", co2_nesterov=True),
     "slowmo": dict(co2_overlap=False, co2_outer_momentum=0.5),
     "diloco": dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
+    # streaming fragments (tau 6 so that F = 2 and 3 both divide it)
+    "fragments2_eager": dict(co2_local_steps=6, co2_fragments=2, co2_start_rule="eager", co2_outer_momentum=0.5),
+    "fragments3_lookahead_nesterov_clip": dict(
+        co2_local_steps=6,
+        co2_fragments=3,
+        co2_start_rule="lookahead",
+        co2_nesterov=True,
+        co2_outer_momentum=0.5,
+        co2_clip_threshold=0.05,
+    ),
+    "fragments3_anchor_warmup": dict(
+        co2_local_steps=6, co2_fragments=3, co2_outer_momentum=0.5, co2_sync_warmup_steps=4
+    ),
+    "fragments2_eager_weight_lr": dict(
+        co2_local_steps=6, co2_fragments=2, co2_start_rule="eager", co2_eager_weight=0.5, co2_outer_lr=0.8
+    ),
+    "fragments3_synchronous": dict(co2_local_steps=6, co2_fragments=3, co2_overlap=False, co2_outer_momentum=0.5),
 }
 
 
 def _all_scenarios(rank: int, world: int) -> dict:
     return {
-        name: train_engine(rank, world, dict(co2_local_steps=TAU, **kw), steps(kw)) for name, kw in SCENARIOS.items()
+        name: train_engine(rank, world, with_tau(kw), steps(with_tau(kw))) for name, kw in SCENARIOS.items()
     }
 
 
@@ -59,7 +80,7 @@ def engine_runs(request):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_engine_matches_reference(engine_runs, scenario):
     world, ranks = engine_runs
-    kwargs = dict(co2_local_steps=TAU, **SCENARIOS[scenario])
+    kwargs = with_tau(SCENARIOS[scenario])
     reference = train_reference(world, kwargs, steps(kwargs))["anchors"]
     engine = ranks[0][scenario]["anchors"]
     assert len(engine) == len(reference) >= 5

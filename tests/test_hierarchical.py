@@ -23,6 +23,11 @@ SCENARIOS = {
     "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
     "window_eager": dict(co2_local_steps=3, co2_overlap_steps=1, co2_start_rule="eager", co2_nesterov=True),
     "slowmo": dict(co2_local_steps=3, co2_overlap=False, co2_outer_momentum=0.5),
+    # each process fragments its own half of the flat state
+    "fragments3_eager": dict(co2_local_steps=3, co2_fragments=3, co2_start_rule="eager", co2_outer_momentum=0.5),
+    "fragments2_lookahead_clip": dict(
+        co2_local_steps=4, co2_fragments=2, co2_start_rule="lookahead", co2_clip_threshold=0.05
+    ),
 }
 
 

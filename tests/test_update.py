@@ -239,7 +239,22 @@ def test_the_start_rule_is_picked_once_from_its_table(settings, rule):
 def test_the_round_schedule_says_what_is_due_after_each_step():
     from co2_hf.core.schedule import Event, RoundSchedule
 
-    full = RoundSchedule(local_steps=3, overlap_steps=None)
-    assert [full.due(s) for s in (1, 2, 3)] == [(), (), (Event.BOUNDARY,)]
-    window = RoundSchedule(local_steps=3, overlap_steps=1)
-    assert [window.due(s) for s in (1, 2, 3)] == [(Event.APPLY_IN_ROUND,), (), (Event.BOUNDARY,)]
+    apply, boundary = Event.APPLY_IN_ROUND, Event.BOUNDARY
+    full = RoundSchedule(local_steps=3, window_steps=None)
+    assert [full.due(s) for s in (1, 2, 3)] == [(), (), ((boundary, 0),)]
+    window = RoundSchedule(local_steps=3, window_steps=1)
+    assert [window.due(s) for s in (1, 2, 3)] == [((apply, 0),), (), ((boundary, 0),)]
+    # three fragments, tau 6: every 2 steps the previous fragment applies, then the next one launches
+    streaming = RoundSchedule(local_steps=6, window_steps=2, fragments=3)
+    assert [streaming.due(s) for s in range(1, 7)] == [
+        (),
+        ((apply, 2), (boundary, 0)),
+        (),
+        ((apply, 0), (boundary, 1)),
+        (),
+        ((apply, 1), (boundary, 2)),
+    ]
+    # steps since each fragment's boundary, in the first round (none yet) and later ones
+    assert [streaming.steps_since_boundary(f, 0, 3) for f in range(3)] == [1, 3, 3]
+    assert [streaming.steps_since_boundary(f, 1, 3) for f in range(3)] == [1, 5, 3]
+    assert [full.steps_since_boundary(0, 4, s) for s in (0, 2)] == [0, 2]

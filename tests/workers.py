@@ -102,8 +102,7 @@ def train_reference(world: int, cfg_kwargs: dict, steps: int, opt: str = "adam")
             if step == warmup - 1:
                 ref = ReferenceCO2(models, cfg)  # the anchor is taken now, from worker 0
             continue
-        ref.after_inner_step()
-        if ref.steps_in_round == 0:  # a boundary just ran
+        if ref.after_inner_step():  # a boundary just ran
             anchors.append({n: t.clone() for n, t in ref.anchor.items()})
     ref.finalize()
     anchors.append({n: t.clone() for n, t in ref.anchor.items()})
@@ -261,7 +260,7 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
         "launched_bytes": launched,
         "shard_numel": co2.layout.shard_numel,
         "padded_numel": co2.layout.padded_numel,
-        "header_slots": co2.wire.fp32.numel() - co2.layout.shard_numel,
+        "header_slots": co2.fragments[0].wire.fp32.numel() - co2.layout.shard_numel,
     }
 
 
@@ -272,7 +271,7 @@ def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int, w
 
     cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
     models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
-    ref = ReferenceCO2(models, cfg) if warmup == 0 else None
+    ref = ReferenceCO2(models, cfg, worker_size=k) if warmup == 0 else None
     optimizers = [make_optimizer(m, "sgd") for m in models]
     anchors = []
     for step in range(steps):
@@ -285,10 +284,9 @@ def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int, w
             optimizer.step()
         if step < warmup:
             if step == warmup - 1:
-                ref = ReferenceCO2(models, cfg)  # the anchor is taken now
+                ref = ReferenceCO2(models, cfg, worker_size=k)  # the anchor is taken now
             continue
-        ref.after_inner_step()
-        if ref.steps_in_round == 0:
+        if ref.after_inner_step():
             anchors.append({n: t.clone() for n, t in ref.anchor.items()})
     ref.finalize()
     anchors.append({n: t.clone() for n, t in ref.anchor.items()})

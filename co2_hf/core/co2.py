@@ -15,11 +15,15 @@ and two more for the other sequences:
 6. ``_apply``     -- ``a <- a - alpha*v`` alone, where no ``d`` is measured in the same pass;
 7. ``_shift``     -- ``x <- x + (a_new - start)``, keeping the steps taken since the round started.
 
-After each inner step `RoundSchedule` (``schedule.py``) says what is due; `step()` runs it:
+After each inner step `RoundSchedule` (``schedule.py``) says what is due, on which fragment; `step()`
+runs it. ``co2_fragments = F`` splits the flat state into F slices, each with its own `Phases`
+(its own buffer, start rule and counters, on views of the engine's anchor and momentum) and its
+own round, offset by ``tau / F`` steps; with one fragment it is the whole state.
 
 - overlapped boundary (``co2_overlap``): receive, direction (penalised), exchange, launch, reset;
 - synchronous boundary: exchange, launch, receive, direction, apply, reset;
-- in-round apply, ``co2_overlap_steps = k`` steps into a round: receive, direction, apply, shift;
+- in-round apply, ``k`` steps after a launch (``co2_overlap_steps = k``, or ``tau / F`` with fragments):
+  receive, direction, apply, shift;
 - ``finalize()``: a partial round's boundary, then drain, direction, apply, reset onto the anchor.
 
 The start rule and the penalty are objects from ``rules.py``; the buffer's regions are named views
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -42,19 +47,23 @@ from torch.profiler import record_function
 from ..config import CO2Config
 from .comm import Communicator, make_communicator
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
-from .live import has_dtensors, pin_state, reshard_fsdp, state_device
+from .live import LiveTensors, has_dtensors, pin_state, reshard_fsdp, state_device
 from .phases import Phases
-from .rules import NoPenalty
+from .rules import NoPenalty, warn_about_start_rule
 from .schedule import Event, RoundSchedule
-from .state import STATE_FORMAT, Progress, check_compatible
+from .state import STATE_FORMAT, FragmentProgress, Progress, check_compatible, from_dict, to_dict, upgrade
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_CHECK_BOUNDARY = 3  # co2_timeout_s is compared with the round timed between boundaries 2 and 3
 FRESH = NoPenalty()  # an update whose base is still the anchor is not stale: P = 1
+# How pop_metrics combines a round's per-fragment means into one figure per metric (default: sum:
+# seconds add up over a round, and so do the fragments' shares of the mean penalty)
+ROOT_SUM_SQUARE = ("outer_grad_norm", "momentum_norm")  # norms of the whole outer vectors
+MEAN = ("clip_ratio",)
 
 
-class CO2(Phases):
+class CO2:
     """CO2 data-parallel training around an ``nn.Module``; call ``step()`` after each optimizer step.
 
     Args:
@@ -89,19 +98,37 @@ class CO2(Phases):
             worker_size=cfg.co2_worker_size,
             sharded_params=has_dtensors(model),
         )
-        num_workers, layout = _workers_and_layout(model, cfg, comm, chunk_numel)
-        super().__init__(
-            cfg,
-            comm=comm,
-            layout=layout,
-            device=device,
-            num_workers=num_workers,
-            optimizer=optimizer,
-            pin_memory=pin_state(model, device),
-        )
+        self.comm = comm
+        self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
+        self.device, pinned = device, pin_state(model, device)
+        self.live = LiveTensors(self.layout, comm, device, pin_memory=pinned)
+        n = self.layout.shard_numel
+        zeros = dict(dtype=torch.float32, device=device, pin_memory=pinned)
+        self._anchor = torch.zeros(n, **zeros)
+        self._momentum = torch.zeros(n, **zeros)
+        clip_scales = _clip_scales(self.layout, comm, cfg, device)
+        self.fragments = []
+        for f, scale in enumerate(clip_scales):
+            part = self.layout.fragment(f)
+            lo, hi = self.layout.fragment_edges[f], self.layout.fragment_edges[f + 1]
+            self.fragments.append(
+                Phases(
+                    cfg,
+                    comm=comm,
+                    layout=part,
+                    anchor=self._anchor[lo:hi],
+                    momentum=self._momentum[lo:hi],
+                    num_workers=self.num_workers,
+                    optimizer=optimizer,
+                    pin_memory=pinned,
+                    clip_scale=scale,
+                )
+            )
+        warn_about_start_rule(cfg)
+        self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
         self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
         self._round_started: float | None = None
-        self.schedule = RoundSchedule(cfg.co2_local_steps, cfg.co2_overlap_steps)
+        self.schedule = RoundSchedule(cfg.co2_local_steps, cfg.window_steps, cfg.co2_fragments)
         self._events = {Event.APPLY_IN_ROUND: self._apply_in_round, Event.BOUNDARY: self._boundary}
         self._boundary_phases = self._overlapped_boundary if cfg.co2_overlap else self._synchronous_boundary
         self._take_anchor()
@@ -121,50 +148,66 @@ class CO2(Phases):
             return False
         p.round_step += 1
         due = self.schedule.due(p.round_step)
-        for event in due:
-            self._events[event]()
-        return Event.BOUNDARY in due
+        for event, fragment in due:
+            self._events[event](self.fragments[fragment])
+        if p.round_step >= self.config.co2_local_steps:
+            self._end_round()
+        return any(event is Event.BOUNDARY for event, _ in due)
 
     # ------------------------------------------------------------------ the sequences (phases.py)
 
     @torch.no_grad()
-    def _boundary(self) -> None:
-        compute_s = time.perf_counter() - self._round_started if self._round_started is not None else 0.0
+    def _boundary(self, part: Phases) -> None:
+        """One fragment's boundary. A worker found non-finite restarts its other fragments' rounds
+        too: their steps since then ran on the same faulty values (a NaN reaches every parameter)."""
         with record_function("co2/boundary"):
-            self._boundary_phases()
-            self.progress.round += 1
-            self.progress.round_step = 0
+            finite = self._boundary_phases(part)
+            part.progress.round += 1
+            if not finite:
+                for other in self.fragments:
+                    if other is not part:
+                        other._restart()
+
+    def _end_round(self) -> None:
+        """After step tau: the round counter moves on; the third round's timing checks the timeout."""
+        compute_s = time.perf_counter() - self._round_started if self._round_started is not None else 0.0
+        self.progress.round += 1
+        self.progress.round_step = 0
         self._boundaries_run += 1
         if self._boundaries_run == TIMEOUT_CHECK_BOUNDARY:
             _check_timeout(self.config.co2_timeout_s, compute_s, self.last_comm_s)
         self._round_started = time.perf_counter()
 
-    def _overlapped_boundary(self) -> None:
-        self._receive()  # D_{t-1}: none at round 0
-        self._direction(self.penalty)  # its base a_{t-1} is one anchor move old: stale
-        finite = self._exchange()  # applies D_{t-1} while writing d_t
-        self._launch(finite)
-        self._reset()
+    @staticmethod
+    def _overlapped_boundary(part: Phases) -> bool:
+        part._receive()  # D_{t-1}: none at round 0
+        part._direction(part.penalty)  # its base a_{t-1} is one anchor move old: stale
+        finite = part._exchange()  # applies D_{t-1} while writing d_t
+        part._launch(finite)
+        part._reset()
+        return finite
 
-    def _synchronous_boundary(self) -> None:
-        finite = self._exchange()  # nothing to apply yet: writes d_t
-        self._launch(finite)
-        self._receive()  # D_t, right away
-        self._direction(FRESH)
-        self._apply()
-        self._reset()
+    @staticmethod
+    def _synchronous_boundary(part: Phases) -> bool:
+        finite = part._exchange()  # nothing to apply yet: writes d_t
+        part._launch(finite)
+        part._receive()  # D_t, right away
+        part._direction(FRESH)
+        part._apply()
+        part._reset()
+        return finite
 
     @torch.no_grad()
-    def _apply_in_round(self) -> None:
-        """Partial overlap (``co2_overlap_steps = k``): k steps into a round, apply the last
-        round's average. Its base is still the anchor, so nothing is stale (P = 1)."""
-        if self._pending is None and not self.progress.have_d:
-            return  # round 0
+    def _apply_in_round(self, part: Phases) -> None:
+        """Partial overlap (``co2_overlap_steps = k``) or fragments: k steps after its launch, apply
+        a fragment's average. Its base is still the anchor, so nothing is stale (P = 1)."""
+        if part._pending is None and not part.progress.have_d:
+            return  # its first round has not ended yet
         with record_function("co2/apply_in_round"):
-            self._receive()
-            self._direction(FRESH)
-            self._apply()
-            self._shift()
+            part._receive()
+            part._direction(FRESH)
+            part._apply()
+            part._shift()
 
     # ------------------------------------------------------------------ counters and the rest of the API
 
@@ -173,12 +216,23 @@ class CO2(Phases):
     round_step = property(lambda self: self.progress.round_step, doc="Inner steps taken in this round.")
     warmup_done = property(lambda self: self.progress.warmup_done, doc="The synchronous warm-up is over.")
     amp_skipped_steps = property(lambda self: self.progress.amp_skipped_steps, doc="Steps AMP skipped.")
-    skipped_rounds = property(lambda self: self.progress.skipped_rounds, doc="Rounds no worker was finite.")
+
+    @property
+    def skipped_rounds(self) -> int:
+        """Rounds whose outer update no worker was finite for (summed over fragments)."""
+        return sum(part.progress.skipped_rounds for part in self.fragments)
 
     @property
     def last_wait_s(self) -> float:
-        """Seconds this rank was blocked waiting at the last boundary (exposed communication)."""
-        return self._last_wait_s
+        """Seconds this rank was blocked waiting at the last boundary (exposed communication);
+        with fragments, the last wait of each fragment, summed: the exposed wait of a round."""
+        return sum(part._last_wait_s for part in self.fragments)
+
+    @property
+    def last_comm_s(self) -> float:
+        """Launch-to-completion of the last all-reduce received (summed over fragments: how long
+        the link was busy with one round's bytes)."""
+        return sum(part.last_comm_s for part in self.fragments)
 
     @property
     def in_warmup(self) -> bool:
@@ -214,19 +268,23 @@ class CO2(Phases):
         with the same rule. Afterwards nothing is in flight, the round counters restart at 0 and
         the outer momentum is kept.
         """
-        if not self.progress.warmup_done:
+        p = self.progress
+        if not p.warmup_done:
             self._take_anchor()
-            self.progress.warmup_done = True
-        if self.progress.round_step > 0:
-            self._boundary()
-        self._drain()
-        # with a partial-overlap window nothing moved the anchor since the base of this D
-        self._direction(self.penalty if self.config.co2_overlap_steps is None else FRESH)
-        self._apply()
-        self.start.clear_()
-        self.live.write_all(self._start_of)  # the anchor itself, float buffers included
-        self._anchor_news = False
-        self.progress.round = self.progress.round_step = 0
+            p.warmup_done = True
+        for f, part in enumerate(self.fragments):
+            if self.schedule.steps_since_boundary(f, p.round, p.round_step) > 0:
+                self._boundary(part)
+        # with a window (or fragments) nothing moved the anchor since the base of this D
+        penalty_of = (lambda part: part.penalty) if self.config.window_steps is None else (lambda part: FRESH)
+        for part in self.fragments:
+            part._drain()
+            part._direction(penalty_of(part))
+            part._apply()
+            part.start.clear_()
+            part._anchor_news = False
+        self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])  # floats too
+        p.round = p.round_step = 0
 
     def anchor_state(self) -> dict[str, Tensor]:
         """The module's ``state_dict`` with every synchronised tensor taken from the anchor.
@@ -280,16 +338,21 @@ class CO2(Phases):
     def outer_state_nbytes(self) -> int:
         """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
         tensors = (self._anchor, self._momentum)
-        return sum(t.numel() * t.element_size() for t in tensors) + self.wire.nbytes() + self.start.nbytes()
+        parts = sum(part.wire.nbytes() + part.start.nbytes() for part in self.fragments)
+        return sum(t.numel() * t.element_size() for t in tensors) + parts
 
     def pop_metrics(self) -> dict[str, float]:
-        """Mean of each per-round metric since the last call, plus the running counters."""
-        out = {f"co2/{k}": sum(v) / len(v) for k, v in self._metrics.items() if v}
+        """Mean of each per-round metric since the last call, plus the running counters. With
+        fragments, each fragment's means are combined into a round's figure: seconds and the
+        penalty's shares summed, norms as the root of the summed squares, the clip ratio averaged."""
+        per_part = [{k: sum(v) / len(v) for k, v in part._metrics.items() if v} for part in self.fragments]
+        out = {f"co2/{k}": _combine(k, [m[k] for m in per_part if k in m]) for k in set().union(*per_part)}
         if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
             out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
         out["co2/amp_skipped_steps"] = float(self.progress.amp_skipped_steps)
-        out["co2/skipped_rounds"] = float(self.progress.skipped_rounds)
-        self._metrics.clear()
+        out["co2/skipped_rounds"] = float(self.skipped_rounds)
+        for part in self.fragments:
+            part._metrics.clear()
         return out
 
     # ------------------------------------------------------------------ checkpoints (core/state.py)
@@ -298,26 +361,52 @@ class CO2(Phases):
         """This rank's CO2 state, without any collective (``core/state.py``). Tensors are references
         (as with ``optimizer.state_dict()``): save or clone them before training continues."""
         self._drain()
+        fragments = [
+            {
+                "buffer": part.wire.fp32,  # with a received D in it when "have_d" is set
+                "own_outer_grad": part.start.offset,  # None under the anchor start rule
+                "counters": to_dict(part.progress),
+            }
+            for part in self.fragments
+        ]
         return {
             "format": STATE_FORMAT,
             **self._identity(),
             "anchor": self._anchor,
             "momentum": self._momentum,
-            "buffer": self.wire.fp32,  # with a received D in it when "have_d" is set
-            "own_outer_grad": self.start.offset,  # None under the anchor start rule
-            "counters": self.progress.to_dict(),
+            "counters": to_dict(self.progress),
+            "fragments": fragments,
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore a state saved by this rank in the same setting; raise ``ValueError`` otherwise."""
         if self._pending is not None:
             raise RuntimeError("load_state_dict while an outer all-reduce is in flight")
+        saved = upgrade(saved)
         check_compatible(saved, **self._identity())
         self._anchor.copy_(saved["anchor"])
         self._momentum.copy_(saved["momentum"])
-        self.wire.fp32.copy_(saved["buffer"])
-        self.start.load_(saved["own_outer_grad"])
-        self.progress = Progress.from_dict(saved["counters"])
+        for part, kept in zip(self.fragments, saved["fragments"], strict=True):
+            part.wire.fp32.copy_(kept["buffer"])
+            part.start.load_(kept["own_outer_grad"])
+            part.progress = from_dict(FragmentProgress, kept["counters"])
+        self.progress = from_dict(Progress, saved["counters"])
+
+    @property
+    def _pending(self):
+        """The all-reduce in flight, if any (one fragment's at most)."""
+        return next((part._pending for part in self.fragments if part._pending is not None), None)
+
+    def _drain(self) -> None:
+        for part in self.fragments:
+            part._drain()
+
+    @torch.no_grad()
+    def _take_anchor(self) -> None:
+        """Broadcast the live tensors from the first rank, then copy them into the anchor."""
+        self.comm.broadcast_([s.tensor.data for s in self.layout.segments])
+        for chunk in self.layout.chunks:
+            self._anchor[chunk.start : chunk.stop].copy_(self.live.read(chunk))
 
     def _identity(self) -> dict[str, Any]:
         """What must match between a checkpoint and the run that loads it."""
@@ -336,10 +425,37 @@ def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, ch
             f"co2_worker_size={cfg.co2_worker_size} but the communicator has {comm.worker_size} process(es) per worker"
         )
     num_workers = cfg.check_world(comm.num_workers * comm.worker_size)
-    layout = FlatLayout(model, worker_size=comm.worker_size, shard_index=comm.shard_index, chunk_numel=chunk_numel)
+    layout = FlatLayout(
+        model,
+        worker_size=comm.worker_size,
+        shard_index=comm.shard_index,
+        chunk_numel=chunk_numel,
+        fragments=cfg.co2_fragments,
+    )
     if layout.presharded:  # FSDP2 inside the worker, never across workers
         layout.check_sharded_over(comm.worker_ranks())
     return num_workers, layout
+
+
+def _clip_scales(layout: FlatLayout, comm: Communicator, cfg: CO2Config, device: torch.device) -> list[float]:
+    """Per fragment, ``sqrt`` of its share of the worker's parameters: clipping each fragment's
+    momentum to ``phi`` times it bounds the whole momentum's norm by ``phi``. 1 for one fragment;
+    the shares are summed over the worker's processes (one collective) only when clipping."""
+    if cfg.co2_fragments == 1 or cfg.co2_clip_threshold is None:
+        return [1.0] * cfg.co2_fragments
+    local = [float(layout.fragment(f).param_local) for f in range(cfg.co2_fragments)]
+    counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
+    return [math.sqrt(float(c) / max(layout.total_param_numel, 1)) for c in counts]
+
+
+def _combine(name: str, values: list[float]) -> float:
+    if len(values) == 1:
+        return values[0]
+    if name in ROOT_SUM_SQUARE:
+        return math.sqrt(sum(v * v for v in values))
+    if name in MEAN:
+        return sum(values) / len(values)
+    return sum(values)
 
 
 def _check_timeout(timeout_s: float, compute_s: float, comm_s: float) -> None:

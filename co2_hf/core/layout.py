@@ -14,7 +14,7 @@ Statistics that span a tensor still use its global size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,7 @@ class FlatLayout:
         worker_size: int = 1,
         shard_index: int = 0,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fragments: int = 1,
     ) -> None:
         self.segments = synchronised_tensors(module)
         self.presharded = any(s.dtensor is not None for s in self.segments)
@@ -115,6 +116,13 @@ class FlatLayout:
         self.shard_numel = self.padded_numel // split
         self.chunk_numel = chunk_numel
         self.shard_index = shard_index
+        if fragments > max(self.shard_numel, 1):
+            raise ValueError(
+                f"co2_fragments={fragments} is more than the {self.shard_numel} elements of this process's "
+                "outer state: allowed values are 1 to that size"
+            )
+        # fragment f is [edges[f], edges[f+1]) of every shard: balanced by bytes, cut anywhere
+        self.fragment_edges = [f * self.shard_numel // fragments for f in range(fragments + 1)]
         own = shard_index if split > 1 else 0
         self.shard_start = own * self.shard_numel
         self.chunks = self.shard_chunks(own)
@@ -126,8 +134,7 @@ class FlatLayout:
         """The chunks of shard ``shard_index``, each with the live-tensor pieces inside it."""
         base = shard_index * self.shard_numel
         chunks = []
-        for start in range(0, self.shard_numel, self.chunk_numel):
-            stop = min(start + self.chunk_numel, self.shard_numel)
+        for start, stop in self._chunk_ranges():
             chunk = Chunk(start, stop)
             lo, hi = base + start, base + stop
             for sid, segment in enumerate(self.segments):
@@ -142,6 +149,32 @@ class FlatLayout:
             chunk.param_stop = min(stop, max(start, self.param_numel - base))
             chunks.append(chunk)
         return chunks
+
+    def _chunk_ranges(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every chunk of a shard: at most ``chunk_numel`` long, never across
+        a fragment edge, so that each fragment is a run of whole chunks."""
+        edges = self.fragment_edges
+        return [
+            (start, min(start + self.chunk_numel, hi))
+            for lo, hi in zip(edges[:-1], edges[1:])
+            for start in range(lo, hi, self.chunk_numel)
+        ]
+
+    def fragment(self, index: int) -> FlatLayout:
+        """Fragment ``index`` of this layout as a layout of its own, in its own coordinates: the
+        engine runs the phases of a fragment exactly as it runs them on a whole shard. The whole
+        layout itself when there is one fragment."""
+        if len(self.fragment_edges) == 2:
+            return self
+        lo, hi = self.fragment_edges[index], self.fragment_edges[index + 1]
+        view = FragmentLayout.__new__(FragmentLayout)
+        view.__dict__.update(self.__dict__)
+        view.whole, view.lo, view.hi = self, lo, hi
+        view.shard_numel = hi - lo
+        view.param_local = min(max(self.param_local - lo, 0), hi - lo)
+        view.fragment_edges = [0, hi - lo]
+        view.chunks = view.shard_chunks(shard_index=self.shard_index if self.gathers else 0)
+        return view
 
     def names(self) -> list[list[str]]:
         return [list(s.names) for s in self.segments]
@@ -182,6 +215,22 @@ class FlatLayout:
             "worker_size": self.worker_size,
             "shard_index": self.shard_index,
         }
+
+
+class FragmentLayout(FlatLayout):
+    """One fragment ``[lo, hi)`` of every shard of a `FlatLayout`, re-based to start at 0; made by
+    `FlatLayout.fragment`. Its chunks are the whole layout's chunks inside the fragment."""
+
+    whole: FlatLayout
+    lo: int
+    hi: int
+
+    def shard_chunks(self, shard_index: int) -> list[Chunk]:
+        return [
+            replace(c, start=c.start - self.lo, stop=c.stop - self.lo, param_stop=c.param_stop - self.lo)
+            for c in self.whole.shard_chunks(shard_index)
+            if self.lo <= c.start < self.hi
+        ]
 
 
 def _check_all_params_sharded(segments: list[Segment]) -> None:

@@ -2,8 +2,9 @@
 
 `CO2` (``co2.py``) owns these phases through this base class and runs them in the orders listed
 there; this class owns the outer state they work on: the anchor, the outer momentum, the
-communication buffer (`WireBuffer`), the start rule and the penalty (``rules.py``), the `Progress`
-counters and the all-reduce in flight.
+communication buffer (`WireBuffer`), the start rule and the penalty (``rules.py``), the
+`FragmentProgress` counters and the all-reduce in flight. With ``co2_fragments = F > 1`` there is
+one `Phases` per fragment: each runs these phases on its own slice exactly as on a whole shard.
 
 - ``_receive`` / ``_drain``: wait for the all-reduce in flight, read its header, ``D`` = the mean;
 - ``_direction``: ``P``, ``m <- beta*m + P*D``, clip ``m``, the step ``v`` (when a ``D`` came);
@@ -29,7 +30,7 @@ from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
 from .live import LiveTensors
 from .rules import NoPenalty, make_penalty, make_start_rule
-from .state import Progress
+from .state import FragmentProgress
 from .wire import WireBuffer
 
 # The engine warns under one logger name, whichever module of core/ notices: users filter on it.
@@ -37,7 +38,9 @@ logger = logging.getLogger("co2_hf.core.co2")
 
 
 class Phases:
-    """The outer state of one process and the phases that transform it."""
+    """The outer state of one fragment of this process's shard (the whole shard with one fragment)
+    and the phases that transform it. Indices are the fragment's own, from 0; `CO2` makes one per
+    fragment, on views of its anchor and momentum, and sequences them."""
 
     def __init__(
         self,
@@ -45,24 +48,28 @@ class Phases:
         *,
         comm: Communicator,
         layout: FlatLayout,
-        device: torch.device,
+        anchor: Tensor,
+        momentum: Tensor,
         num_workers: int,
         optimizer: torch.optim.Optimizer | None,
         pin_memory: bool,
+        clip_scale: float = 1.0,
     ) -> None:
-        self.config, self.comm, self.layout, self.device = config, comm, layout, device
+        self.config, self.comm, self.layout, self.device = config, comm, layout, anchor.device
         self.num_workers, self.optimizer = num_workers, optimizer
-        self.live = LiveTensors(layout, comm, device, pin_memory=pin_memory)
+        self.live = LiveTensors(layout, comm, self.device, pin_memory=pin_memory)
         n = layout.shard_numel
-        zeros = dict(dtype=torch.float32, device=device, pin_memory=pin_memory)
-        self._anchor = torch.zeros(n, **zeros)
-        self._momentum = torch.zeros(n, **zeros)
+        zeros = dict(dtype=torch.float32, device=self.device, pin_memory=pin_memory)
+        self._anchor, self._momentum = anchor, momentum  # this fragment's views of the engine's
         wire_dtype = torch.bfloat16 if config.co2_comm_dtype == "bfloat16" else torch.float32
         self.wire = WireBuffer(n, num_workers, wire_dtype=wire_dtype, **zeros)
         self.start = make_start_rule(config, self._momentum, layout.param_local, **zeros)
-        self.penalty = make_penalty(config, layout, device)  # for stale updates
+        self.penalty = make_penalty(config, layout, self.device)  # for stale updates
         self._step_v = self.wire.payload if config.co2_nesterov else self._momentum  # where v lies
-        self.progress = Progress(warmup_done=config.co2_sync_warmup_steps == 0)
+        # a fragment's momentum is clipped to phi * sqrt(its share of the parameters), so that the
+        # whole momentum's norm stays <= phi (1 with one fragment)
+        self.clip_threshold = None if config.co2_clip_threshold is None else config.co2_clip_threshold * clip_scale
+        self.progress = FragmentProgress()
         self._pending: Pending | None = None
         # the anchor has values the live tensors must take in full at the next reset or shift: a
         # step moved it (float buffers got a new mean), or this worker restarts from it
@@ -132,7 +139,7 @@ class Phases:
         penalty_sum = penalty.scale_(d, m, sums[:-1])
         update.momentum_(m, d, cfg.co2_outer_momentum)
         stats = self.comm.reduce_stats(torch.stack([update.norm_sq(m)[0], penalty_sum]))
-        ratio = update.clip_ratio(float(stats[0]), cfg.co2_clip_threshold)
+        ratio = update.clip_ratio(float(stats[0]), self.clip_threshold)
         if ratio < 1.0:
             m.mul_(ratio)
         if cfg.co2_nesterov:
@@ -254,9 +261,8 @@ class Phases:
             f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
         )
 
-    @torch.no_grad()
-    def _take_anchor(self) -> None:
-        """Broadcast the live tensors from the first rank, then copy them into the anchor."""
-        self.comm.broadcast_([s.tensor.data for s in self.layout.segments])
-        for chunk in self.layout.chunks:
-            self._anchor[chunk.start : chunk.stop].copy_(self.live.read(chunk))
+    def _restart(self) -> None:
+        """``x <- a - o``, buffers included: this round starts again from where it started (another
+        fragment of this worker was non-finite; its steps since then may carry the same fault)."""
+        self.live.write_all(self._start_of)
+        self._anchor_news = False

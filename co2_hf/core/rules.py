@@ -34,14 +34,7 @@ class AnchorStart:
     offset: Tensor | None = None  # what a checkpoint stores as "own_outer_grad"
 
     def __init__(self, config: CO2Config, momentum: Tensor, numel: int, **zeros) -> None:
-        if config.co2_overlap_steps is not None:
-            logger.warning(
-                "CO2: co2_overlap_steps=%d with co2_start_rule='anchor' makes every worker redo the "
-                "first %d steps of its last round and count them twice (docs/algorithm.md, 7a); "
-                "co2_start_rule='eager' avoids it",
-                config.co2_overlap_steps,
-                config.co2_overlap_steps,
-            )
+        pass
 
     def subtract_offset_(self, x: Tensor, lo: int, mid: int) -> None:
         """``x <- x - o[lo:mid]``: turns ``a - x`` into ``start - x``."""
@@ -127,6 +120,19 @@ class LookaheadStart(_OffsetStart):
 START_RULES = {"anchor": AnchorStart, "eager": EagerStart, "lookahead": LookaheadStart}
 
 
+def warn_about_start_rule(config: CO2Config) -> None:
+    """Once per engine: the anchor start with an in-round apply counts steps twice."""
+    k = config.window_steps
+    if k is not None and config.co2_overlap and config.co2_start_rule == "anchor":
+        knob = f"co2_fragments={config.co2_fragments}" if config.co2_fragments > 1 else f"co2_overlap_steps={k}"
+        logger.warning(
+            "CO2: %s with co2_start_rule='anchor' makes every worker redo the first %d steps of its "
+            "last round and count them twice (docs/algorithm.md, 7a); co2_start_rule='eager' avoids it",
+            knob,
+            k,
+        )
+
+
 def make_start_rule(config: CO2Config, momentum: Tensor, numel: int, **zeros) -> AnchorStart:
     """The start rule for this run; without overlap every round starts at the anchor."""
     name = config.co2_start_rule if config.co2_overlap else "anchor"
@@ -198,8 +204,10 @@ PENALTIES = {"gap_aware": GapAwarePenalty, "constant": ConstantPenalty}
 
 
 def make_penalty(config: CO2Config, layout: FlatLayout, device: torch.device) -> NoPenalty:
-    """The penalty for stale updates in this run (``co2_gap_penalty = 0``: none)."""
-    if config.co2_gap_penalty <= 0:
+    """The penalty for stale updates in this run (``co2_gap_penalty = 0``: none). A fragment's
+    average is applied before anything else moves its slice of the anchor: never stale, so
+    fragments (``co2_fragments > 1``) have no penalty."""
+    if config.co2_gap_penalty <= 0 or config.co2_fragments > 1:
         return NoPenalty()
     return PENALTIES[config.co2_gap_penalty_mode](config, layout, device)
 

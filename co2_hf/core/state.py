@@ -1,15 +1,17 @@
 """What a CO2 checkpoint holds, and the checks that it is loaded into the same setting.
 
 Each rank saves its own part (``CO2.state_dict``), which never issues a collective: the outer
-tensors it holds (keys ``anchor``, ``momentum``, ``buffer``: the fp32 communication buffer with a
-completed all-reduce result in it, ``own_outer_grad``: the start rule's offset or None), the
-`Progress` counters (``counters``), the config and the layout (checked by `check_compatible`). The
-caller saves the rank's live parameters and inner optimizer state beside it. An all-reduce in
-flight is waited for first and stored as completed (its values do not depend on when it is waited
-for), so the next boundary uses it without waiting again and the resumed run continues bit for bit.
+tensors it holds (keys ``anchor``, ``momentum``), the engine's clock (`Progress`, key ``counters``)
+and, per fragment (key ``fragments``, one entry per fragment, one when ``co2_fragments = 1``): the
+fp32 communication buffer with a completed all-reduce result in it (``buffer``), the start rule's
+offset or None (``own_outer_grad``) and the fragment's `FragmentProgress` (``counters``). The
+config and the layout are checked by `check_compatible`. The caller saves the rank's live
+parameters and inner optimizer state beside it. An all-reduce in flight is waited for first and
+stored as completed (its values do not depend on when it is waited for), so the fragment's next
+event uses it without waiting again and the resumed run continues bit for bit.
 
-Format 1 (the keys below) is kept as it was: three counters are stored under the names of the
-engine's private attributes of that time.
+Format 2 is the above. Format 1 (one fragment: ``buffer``, ``own_outer_grad`` and every counter at
+the top level, three counters under the engine's private attribute names of that time) still loads.
 """
 
 from __future__ import annotations
@@ -17,38 +19,60 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 # Settings that may change on resume: they do not alter the trajectory.
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
+# Settings added after format 1, with the value every older checkpoint was trained with.
+ADDED_SETTINGS = {"co2_fragments": 1}
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
 
 
 @dataclass
 class Progress:
-    """The engine's counters. A checkpoint saves every field; nothing else about the round."""
+    """The engine's clock. A checkpoint saves every field; nothing else about the round."""
 
     inner_steps: int = 0  # inner steps since construction (all of them, AMP-skipped included)
     round: int = 0  # index t of the current round
     round_step: int = 0  # inner steps taken in the current round
     warmup_done: bool = False
     amp_skipped_steps: int = 0
+
+
+@dataclass
+class FragmentProgress:
+    """One fragment's counters (with one fragment: the whole model's)."""
+
+    round: int = 0  # this fragment's boundaries so far: the index its next all-reduce carries
     skipped_rounds: int = 0  # rounds whose outer update was skipped: no worker was finite
     consecutive_skipped: int = 0
     have_d: bool = False  # the communication buffer holds a received mean D, not yet applied
     sent_round: int = 0  # the round whose outer gradients the last launched all-reduce carries
 
-    def to_dict(self) -> dict[str, Any]:
-        return {_FORMAT_1_NAMES.get(k, k): v for k, v in asdict(self).items()}
 
-    @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> Progress:
-        return cls(**{f.name: saved[_FORMAT_1_NAMES.get(f.name, f.name)] for f in fields(cls)})
+def to_dict(counters: Progress | FragmentProgress) -> dict[str, Any]:
+    return asdict(counters)
+
+
+def from_dict(cls: type, saved: dict[str, Any]) -> Any:
+    return cls(**{f.name: saved[f.name] for f in fields(cls)})
+
+
+def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 state as format 2 (one fragment); format 2 as it is."""
+    if saved.get("format") != 1:
+        return saved
+    counters = {k: saved["counters"][_FORMAT_1_NAMES.get(k, k)] for k in asdict(FragmentProgress())}
+    fragment = {"buffer": saved["buffer"], "own_outer_grad": saved["own_outer_grad"], "counters": counters}
+    clock = {k: saved["counters"][k] for k in asdict(Progress())}
+    config = {**ADDED_SETTINGS, **saved["config"]}
+    return {**saved, "format": 2, "config": config, "counters": clock, "fragments": [fragment]}
 
 
 def check_compatible(
     saved: dict[str, Any], *, config: dict, layout: dict, num_workers: int, worker_index: int
 ) -> None:
-    """Raise ``ValueError`` unless ``saved`` was written by this rank in this setting."""
+    """Raise ``ValueError`` unless ``saved`` (upgraded to this format) was written by this rank in
+    this setting."""
     if saved.get("format") != STATE_FORMAT:
         raise ValueError(f"unknown CO2 checkpoint format {saved.get('format')!r}")
     _check_same_config(saved["config"], config)

@@ -1,0 +1,202 @@
+"""Streaming fragments (``co2_fragments``): one fragment is today's engine bit for bit; F > 1 resumes
+bit for bit with a fragment in flight, quarantines per fragment and reports one round's metrics.
+(The engine against the naive reference with fragments: test_engine_vs_reference.py and
+test_hierarchical.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from workers import TinyNet, loss_on, make_optimizer
+
+from co2_hf import CO2Config
+from co2_hf.core import CO2
+from scripts.sim import SimulatedNetwork, Task, train_simulated
+
+pytestmark = pytest.mark.timeout(60)
+
+# sha256 (first 16 hex digits) of every engine's anchor and live state after 16 steps of 3 simulated
+# workers at tau 3, computed with the engine as it was before fragments existed (commit e5f4305,
+# /tmp/golden/golden.py of that session): co2_fragments = 1 must reproduce them bit for bit.
+GOLDEN = {
+    "default": ({}, "78cd16536bf60725"),
+    "eager_b0": (dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0), "5e3b6c867eeba73a"),
+    "lookahead_nesterov": (
+        dict(co2_start_rule="lookahead", co2_outer_momentum=0.5, co2_nesterov=True, co2_gap_penalty=0.0),
+        "77c4f6f6ff05b4a6",
+    ),
+    "window_eager": (dict(co2_overlap_steps=1, co2_start_rule="eager", co2_outer_momentum=0.5), "62144efdc1014c4a"),
+    "window_anchor_clip": (
+        dict(co2_overlap_steps=2, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
+        "83747143d7c635bf",
+    ),
+    "slowmo": (dict(co2_overlap=False, co2_outer_momentum=0.5), "11ca0a867b38eba3"),
+    "bf16_constant": (
+        dict(co2_comm_dtype="bfloat16", co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"),
+        "407ff40269dafe5d",
+    ),
+    "warmup_eager_w": (dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5), "2264c892bbbc0a51"),
+}
+
+
+def _task() -> Task:
+    return Task(
+        build_model=lambda seed: TinyNet(seed=seed),
+        build_optimizer=make_optimizer,
+        batch=lambda worker, step: (worker, step),
+        loss=lambda model, ws: loss_on(model, *ws),
+        evaluate=lambda model, params: 0.0,
+    )
+
+
+def _digest(engines: list[CO2]) -> str:
+    h = hashlib.sha256()
+    for engine in engines:
+        for key, value in sorted(engine.anchor_state().items()):
+            h.update(key.encode())
+            h.update(value.detach().double().contiguous().numpy().tobytes())
+        for _, value in sorted(engine.model.state_dict().items()):
+            h.update(value.detach().double().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_one_fragment_reproduces_the_engine_before_fragments_bit_for_bit(name):
+    knobs, digest = GOLDEN[name]
+    config = CO2Config(co2_local_steps=3, co2_fragments=1, **knobs)
+    sim = train_simulated(workers=3, config=config, task=_task(), steps=16)
+    assert _digest(sim.engines) == digest
+
+
+class Workers:
+    """G simulated workers trained step by step, which can be saved and rebuilt mid-run."""
+
+    def __init__(self, config: CO2Config, workers: int = 3, saved: list[dict] | None = None) -> None:
+        self.config, self.network = config, SimulatedNetwork(workers)
+        self.models = [TinyNet(seed=i) for i in range(workers)]
+        self.optimizers = [make_optimizer(m) for m in self.models]
+        self.pool = ThreadPoolExecutor(workers)
+        self.engines = self._each(
+            lambda i: CO2(self.models[i], config, optimizer=self.optimizers[i], communicator=self.network.communicator(i))
+        )
+        for i, state in enumerate(saved or []):
+            self.models[i].load_state_dict(state["model"])
+            self.optimizers[i].load_state_dict(state["optimizer"])
+            self.engines[i].load_state_dict(state["co2"])
+
+    def _each(self, fn):
+        return list(self.pool.map(fn, range(len(self.models))))
+
+    def train(self, start: int, stop: int, poison: tuple[int, int] | None = None) -> None:
+        """Steps ``start .. stop - 1``; ``poison = (worker, step)`` puts a NaN in that worker's
+        weights after that step's optimizer step."""
+        for step in range(start, stop):
+            for i, (model, optimizer) in enumerate(zip(self.models, self.optimizers)):
+                optimizer.zero_grad()
+                loss_on(model, i, step).backward()
+                optimizer.step()
+                if poison == (i, step):
+                    with torch.no_grad():
+                        model.hidden.weight[0, 0] = float("nan")
+            self._each(lambda i: self.engines[i].step())
+
+    def save(self) -> list[dict]:
+        """Every worker's state, cloned (state_dict tensors are references)."""
+        states = self._each(lambda i: self.engines[i].state_dict())  # waits for the fragment in flight
+        return [
+            {
+                "model": {k: v.clone() for k, v in m.state_dict().items()},
+                "optimizer": _clone(o.state_dict()),
+                "co2": _clone(s),
+            }
+            for m, o, s in zip(self.models, self.optimizers, states)
+        ]
+
+    def finish(self) -> list[dict[str, torch.Tensor]]:
+        self._each(lambda i: self.engines[i].finalize())
+        return [{k: v.clone() for k, v in m.state_dict().items()} for m in self.models]
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+FRAGMENTED = dict(co2_local_steps=6, co2_fragments=3, co2_outer_momentum=0.5, co2_gap_penalty=0.0)
+
+
+@pytest.mark.parametrize("start_rule", ["eager", "lookahead", "anchor"])
+def test_a_checkpoint_with_a_fragment_in_flight_resumes_bit_for_bit(start_rule):
+    config = CO2Config(co2_start_rule=start_rule, co2_nesterov=start_rule == "lookahead", **FRAGMENTED)
+    straight = Workers(config)
+    straight.train(0, 20)
+    expected = straight.finish()
+    first = Workers(config)
+    first.train(0, 9)  # fragment 1 launched at step 8 of 6-step rounds... in flight at 9 (k = 2)
+    assert first.engines[0]._pending is not None
+    saved = first.save()
+    assert [len(s["co2"]["fragments"]) for s in saved] == [3, 3, 3]
+    resumed = Workers(config, saved=saved)
+    resumed.train(9, 20)
+    for got, want in zip(resumed.finish(), expected):
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_format_1_checkpoints_of_one_fragment_still_load():
+    config = CO2Config(co2_local_steps=3, co2_start_rule="eager")
+    run = Workers(config, workers=2)
+    run.train(0, 4)
+    saved = run.save()
+    for state in saved:  # the format written before fragments: one buffer, every counter on top
+        co2 = state["co2"]
+        (fragment,) = co2.pop("fragments")
+        counters = {**co2["counters"], **fragment["counters"]}
+        for new, old in (("consecutive_skipped", "_consecutive_skipped"), ("have_d", "_have_d"), ("sent_round", "_sent_round")):
+            counters[old] = counters.pop(new)
+        del co2["config"]["co2_fragments"]
+        co2.update(format=1, buffer=fragment["buffer"], own_outer_grad=fragment["own_outer_grad"], counters=counters)
+    resumed = Workers(config, workers=2, saved=saved)
+    for engine, state in zip(resumed.engines, run.save()):
+        assert torch.equal(engine.state_dict()["fragments"][0]["buffer"], state["co2"]["fragments"][0]["buffer"])
+        assert engine.state_dict()["counters"] == state["co2"]["counters"]
+
+
+def test_a_non_finite_worker_sits_out_one_fragment_and_restarts_all_of_its_rounds(caplog):
+    config = CO2Config(co2_start_rule="eager", **FRAGMENTED)
+    run = Workers(config)
+    run.train(0, 13, poison=(1, 10))  # worker 1 turns NaN after step 10, mid-round of every fragment
+    # fragment 2 (boundary at step 12 of each 6-step round) found it: worker 1 sent weight 0 ...
+    assert "worker 1 has a non-finite outer gradient" in caplog.text
+    for model in run.models:  # ... and every one of its fragments restarted from a finite point
+        assert all(torch.isfinite(t).all() for t in model.state_dict().values())
+    run.train(13, 24)
+    final = run.finish()
+    assert run.engines[0].skipped_rounds == 0  # the others were finite: no round was skipped
+    assert all(torch.isfinite(v).all() for state in final for v in state.values())
+
+
+def test_metrics_sum_the_fragments_waits_and_combine_their_norms():
+    config = CO2Config(co2_clip_threshold=1e-4, **FRAGMENTED)
+    run = Workers(config, workers=2)
+    run.train(0, 12)
+    per_part = [dict(part._metrics) for part in run.engines[0].fragments]
+    metrics = run.engines[0].pop_metrics()
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    assert metrics["co2/comm_s"] == pytest.approx(sum(mean(m["comm_s"]) for m in per_part))
+    norms = [mean(m["momentum_norm"]) for m in per_part]
+    assert metrics["co2/momentum_norm"] == pytest.approx(sum(n * n for n in norms) ** 0.5)
+    # each fragment is clipped to phi * sqrt(its share): the whole momentum's norm is <= phi
+    assert metrics["co2/momentum_norm"] <= 1e-4 * (1 + 1e-5)
+    assert metrics["co2/clip_ratio"] == pytest.approx(mean([mean(m["clip_ratio"]) for m in per_part]))
