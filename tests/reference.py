@@ -23,29 +23,61 @@ def synchronised(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
     return params, buffers
 
 
-def fragment_masks(model: nn.Module, fragments: int, worker_size: int) -> list[dict[str, torch.Tensor]]:
+def fragment_masks(
+    model: nn.Module, fragments: int, worker_size: int, *, fsdp: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Per fragment, which elements of each synchronised tensor belong to it (docs/algorithm.md,
-    section 14): lay the tensors end to end (parameters, then buffers), pad to a multiple of the
-    worker size, cut into ``worker_size`` equal shards and each shard into ``fragments`` equal
-    slices (``edges[f] = f * S // F``); fragment f is slice f of every shard."""
+    section 7b). Each process of a worker holds a flat shard of ``S`` elements, cut into
+    ``fragments`` equal slices (``edges[f] = f * S // F``); fragment f is slice f of every shard.
+    The shards: the tensors laid end to end (parameters, then buffers), padded to a multiple of the
+    worker size and cut into equal parts; or, under FSDP2 (``fsdp``), each process's dim-0 chunk of
+    every tensor, end to end."""
     params, buffers = synchronised(model)
     tensors = {**params, **buffers}
-    total = sum(t.numel() for t in tensors.values())
-    shard = -(-total // worker_size)
-    edges = torch.tensor([f * shard // fragments for f in range(1, fragments)], dtype=torch.long)
-    position = torch.arange(total) % shard
-    owner = torch.bucketize(position, edges, right=True)  # fragment of each flat element
-    masks, offset = [{} for _ in range(fragments)], 0
-    for name, tensor in tensors.items():
-        own = owner[offset : offset + tensor.numel()].view(tensor.shape)
-        for f in range(fragments):
-            masks[f][name] = own == f
-        offset += tensor.numel()
-    return masks
+    if fsdp:
+        local = {n: _fsdp_positions(t, worker_size) for n, t in tensors.items()}  # (rank, local index)
+        sizes = [0] * worker_size
+        for name, (rank, index) in local.items():
+            index += torch.tensor(sizes)[rank]
+            for j in range(worker_size):
+                sizes[j] += int((rank == j).sum())
+        owner = {n: _slice_of(index, torch.tensor(sizes)[rank], fragments) for n, (rank, index) in local.items()}
+    else:
+        total = sum(t.numel() for t in tensors.values())
+        shard = -(-total // worker_size)
+        flat = _slice_of(torch.arange(total) % shard, torch.full((total,), shard), fragments)
+        owner, offset = {}, 0
+        for name, tensor in tensors.items():
+            owner[name] = flat[offset : offset + tensor.numel()].view(tensor.shape)
+            offset += tensor.numel()
+    return [{n: owner[n] == f for n in tensors} for f in range(fragments)]
+
+
+def _slice_of(position: torch.Tensor, shard_size: torch.Tensor, fragments: int) -> torch.Tensor:
+    """The fragment of each element at ``position`` in a shard of ``shard_size`` elements: the
+    largest f with ``f * S // F <= position``."""
+    f = torch.zeros_like(position)
+    for candidate in range(1, fragments):
+        f = torch.where(candidate * shard_size // fragments <= position, candidate, f)
+    return f
+
+
+def _fsdp_positions(tensor: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FSDP2's Shard(0): rows ``[j c, (j + 1) c)`` with ``c = ceil(rows / k)`` live on process j.
+    Per element: its process, and its index in that process's local chunk."""
+    rows = tensor.shape[0]
+    c = -(-rows // k)
+    per_row = tensor[0].numel() if tensor.dim() else 1
+    row = torch.arange(tensor.numel()) // per_row
+    rank = row // c
+    index = torch.arange(tensor.numel()) - rank * c * per_row
+    return rank.view(tensor.shape), index.view(tensor.shape)
 
 
 class ReferenceCO2:
-    def __init__(self, models: list[nn.Module], cfg: CO2Config, *, worker_size: int | None = None) -> None:
+    def __init__(
+        self, models: list[nn.Module], cfg: CO2Config, *, worker_size: int | None = None, fsdp: bool = False
+    ) -> None:
         self.models, self.cfg = models, cfg
         params, buffers = synchronised(models[0])
         with torch.no_grad():  # every worker starts from worker 0's synchronised values
@@ -56,7 +88,7 @@ class ReferenceCO2:
         self.momentum = {n: torch.zeros_like(self.anchor[n]) for n in params}
         self.own = [{n: torch.zeros_like(self.anchor[n]) for n in params} for _ in models]
         F = cfg.co2_fragments
-        self.masks = fragment_masks(models[0], F, worker_size or cfg.co2_worker_size)
+        self.masks = fragment_masks(models[0], F, worker_size or cfg.co2_worker_size, fsdp=fsdp)
         total = sum(t.numel() for t in params.values())
         # each fragment's momentum is clipped to phi * sqrt(its share of the parameters)
         self.clip_share = [sum(int(m[n].sum()) for n in params) / total for m in self.masks]

@@ -17,6 +17,8 @@ SCENARIOS = {
     "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
     "window_eager": dict(co2_local_steps=3, co2_overlap_steps=1, co2_start_rule="eager", co2_nesterov=True),
     "slowmo_warmup": dict(co2_local_steps=3, co2_overlap=False, co2_outer_momentum=0.5, co2_sync_warmup_steps=2),
+    # each process fragments its own local shards
+    "fragments3_eager": dict(co2_local_steps=3, co2_fragments=3, co2_start_rule="eager", co2_outer_momentum=0.5),
 }
 
 
@@ -39,7 +41,7 @@ def four_ranks(tmp_path_factory):
 def _reference(name: str) -> list[dict]:
     kwargs = dict(SCENARIOS[name])
     warmup = kwargs.pop("co2_sync_warmup_steps", 0)  # the reference's warm-up: every process's batch
-    return reference_hierarchical(2, K, kwargs, STEPS, warmup=warmup)
+    return reference_hierarchical(2, K, kwargs, STEPS, warmup=warmup, fsdp=True)
 
 
 @pytest.mark.timeout(200)

@@ -264,14 +264,17 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
     }
 
 
-def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int, warmup: int = 0) -> list[dict]:
+def reference_hierarchical(
+    workers: int, k: int, cfg_kwargs: dict, steps: int, warmup: int = 0, *, fsdp: bool = False
+) -> list[dict]:
     """G workers of k processes in this process: each worker's loss is the mean over its
-    processes' batches; the first ``warmup`` steps are data parallel over every batch."""
+    processes' batches; the first ``warmup`` steps are data parallel over every batch. ``fsdp``:
+    the processes shard like FSDP2 (which only matters for where fragments are cut)."""
     from reference import ReferenceCO2
 
     cfg = CO2Config(**{**cfg_kwargs, "co2_worker_size": 1})
     models = [TinyNet(seed=0, batchnorm=False) for _ in range(workers)]
-    ref = ReferenceCO2(models, cfg, worker_size=k) if warmup == 0 else None
+    ref = ReferenceCO2(models, cfg, worker_size=k, fsdp=fsdp) if warmup == 0 else None
     optimizers = [make_optimizer(m, "sgd") for m in models]
     anchors = []
     for step in range(steps):
@@ -284,7 +287,7 @@ def reference_hierarchical(workers: int, k: int, cfg_kwargs: dict, steps: int, w
             optimizer.step()
         if step < warmup:
             if step == warmup - 1:
-                ref = ReferenceCO2(models, cfg, worker_size=k)  # the anchor is taken now
+                ref = ReferenceCO2(models, cfg, worker_size=k, fsdp=fsdp)  # the anchor is taken now
             continue
         if ref.after_inner_step():
             anchors.append({n: t.clone() for n, t in ref.anchor.items()})
