@@ -12,6 +12,14 @@ are rate-shaped only), so::
     data parallel = c + comm                              (an all-reduce per step, none hidden)
     local SGD     = c + comm / tau                        (a blocking all-reduce per round; DiLoCo too)
     CO2           = c + max(0, comm - tau * c) / tau      (the all-reduce runs during the next round)
+    CO2, window k = c + max(0, comm - k * c) / tau        (co2_overlap_steps: it must land in k steps)
+    CO2, F fragments = c + F * max(0, comm / F - (tau / F) * c) / tau = CO2's
+                                                          (1/F of the bytes, tau/F steps to land each)
+
+So fragments need the bandwidth of full overlap, ``B >= 2 (G-1)/G * P * bytes * 8 / (tau * c)``,
+where a window of k steps needs tau / k times that. On a real WAN each of a round's F all-reduces
+also pays the ring's per-message latency, ``2 (G-1)`` hops: ``fragment_fits`` checks
+``2 (G-1) * latency + comm / F <= (tau / F) * c``.
 
 Throughput is ``G * tokens_per_step / step``. Left out as well: DDP's bucketed all-reduce
 overlapping backward (real data parallel is faster than the model says), the CPU that
@@ -45,19 +53,38 @@ def ring_allreduce_s(nbytes: float, workers: int, bandwidth_bps: float) -> float
 
 
 def step_time_s(
-    method: str, compute_s: float, params: float, bandwidth_bps: float, workers: int, *, tau: int = 1, wire_bytes=4
+    method: str,
+    compute_s: float,
+    params: float,
+    bandwidth_bps: float,
+    workers: int,
+    *,
+    tau: int = 1,
+    wire_bytes=4,
+    window: int = 1,
 ) -> float:
-    """Mean seconds per inner step of ``method``: data_parallel, local_sgd, co2 or no_comm."""
+    """Mean seconds per inner step of ``method``: data_parallel, local_sgd, co2 (full overlap or
+    fragments), co2_window (``window`` = k) or no_comm."""
     comm = ring_allreduce_s(params * wire_bytes, workers, bandwidth_bps)
     if method == "data_parallel":
         return compute_s + comm
     if method == "local_sgd":
         return compute_s + comm / tau
-    if method == "co2":
+    if method == "co2":  # full overlap, and fragments (each 1/F of the bytes with tau/F steps to land)
         return compute_s + max(0.0, comm - tau * compute_s) / tau
+    if method == "co2_window":
+        return compute_s + max(0.0, comm - window * compute_s) / tau
     if method == "no_comm":
         return compute_s
     raise ValueError(f"unknown method {method!r}")
+
+
+def fragment_fits(
+    compute_s: float, params: float, bandwidth_bps: float, workers: int, *, tau: int, fragments: int, latency_s: float = 0.0
+) -> bool:
+    """Whether one fragment's all-reduce, latency included, lands within its tau / F steps."""
+    comm = ring_allreduce_s(params * 4 / fragments, workers, bandwidth_bps) + 2 * (workers - 1) * latency_s
+    return comm <= tau // fragments * compute_s
 
 
 def scalability(method: str, compute_s: float, params: float, bw: float, small: int, large: int, **kw) -> float:
@@ -132,7 +159,9 @@ def check_measured(path: str) -> None:
             continue
         probe, c = probes[block(r)], statistics.fmean(limits)
         bw = (probe["nominal_mbit"] or probe["achieved_mbit"]) * 1e6
-        method = {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2"}.get(r["method"], r["method"])
+        method = {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2", "co2_stream": "co2"}.get(
+            r["method"], r["method"]
+        )
         predicted = step_time_s(method, c, r["params"], bw, r["nodes"], tau=r["tau"] or 1)
         comm = ring_allreduce_s(4 * r["params"], r["nodes"], bw)
         print(

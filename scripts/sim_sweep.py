@@ -100,7 +100,7 @@ CONFIGS.update(
         )
         for F in (2, 3, 4, 6, 12)
         for rule in _RULES
-        for beta_name, beta in (("0", 0.0), ("5", 0.5))
+        for beta_name, beta in (("0", 0.0), ("2", 0.2), ("3", 0.3), ("5", 0.5))
     }
 )
 

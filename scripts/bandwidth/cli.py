@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cpu: gloo, one core per rank. cuda: one GPU per rank (GPU LOCAL_RANK of its node), default "
         "group NCCL, CO2's state on the GPU; every node is on this machine, so a block of N ranks needs N GPUs",
     )
-    parser.add_argument("--budget-min", type=float, default=60.0, help="refuse a plan estimated above this")
+    parser.add_argument("--budget-min", type=float, default=90.0, help="refuse a plan estimated above this")
     parser.add_argument("--loopback", action="store_true", help="no namespaces (unshaped only, no root)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     parser.add_argument("--out", help="also append the JSON lines to this file")

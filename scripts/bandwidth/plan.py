@@ -20,12 +20,23 @@ from .netns import SUBNET, node_dev, node_ns, rate_bps
 CO2_SETTINGS = {  # the README's table of methods
     "local_sgd": dict(co2_overlap=False, co2_outer_lr=1.0, co2_outer_momentum=0.0),
     "diloco": dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
-    "co2": dict(co2_overlap=True),
+    # full overlap: the whole model's all-reduce hides behind the next round
+    "co2": dict(co2_overlap=True, co2_fragments=1),
+    # streaming: co2_fragments = tau, one fragment (1/tau of the bytes) launched after every step and
+    # applied one step later (docs/algorithm.md, section 7b)
+    "co2_stream": dict(co2_overlap=True, co2_fragments="tau"),
     # CO2 with one worker per node (co2_worker_size = --ranks-per-node): data parallel inside the
     # node, and each rank all-reduces 1/k of the outer gradient across nodes
-    "co2_node": dict(co2_overlap=True),
+    "co2_node": dict(co2_overlap=True, co2_fragments=1),
 }
-METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_node")
+METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", "co2_node")
+
+
+def co2_settings(method: str, tau: int) -> dict:
+    """The CO2Config fields of a CO2-engine method at ``tau`` ("tau" stands for the round's length)."""
+    return {"co2_local_steps": tau, **{k: tau if v == "tau" else v for k, v in CO2_SETTINGS[method].items()}}
+
+
 MODELS = {
     "small": MODEL,
     "large": {**MODEL, "n_embd": 512, "n_layer": 8, "n_head": 8},
@@ -107,7 +118,7 @@ def build_plan(args) -> list[Block]:
 
 def _method_and_link(run: Run, block: Block) -> tuple[str, float]:
     bps = rate_bps(block.rate)
-    return {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2"}.get(
+    return {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2", "co2_stream": "co2"}.get(
         run.method, run.method
     ), 0.95 * bps if bps else UNSHAPED_BPS
 

@@ -9,6 +9,7 @@ LABELS = {
     "local_sgd": "local SGD",
     "diloco": "DiLoCo-style",
     "co2": "CO2",
+    "co2_stream": "CO2, streaming (F = tau)",
     "co2_node": "CO2, one worker per node",
 }
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..bench_overlap import SEQ
 from ..scaling_model import gpt2_params
-from .plan import CO2_SETTINGS, MODELS, Run, backend_and_device
+from .plan import CO2_SETTINGS, MODELS, Run, backend_and_device, co2_settings
 
 
 def build_model(cfg: dict, seed: int):
@@ -45,7 +45,7 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_nod
         model = DistributedDataParallel(model, device_ids=[torch.device(device).index] if on_gpu else None)
     elif run.method in CO2_SETTINGS:
         k = ranks_per_node if run.method == "co2_node" else 1
-        settings = CO2Config(co2_local_steps=run.tau, co2_worker_size=k, **CO2_SETTINGS[run.method])
+        settings = CO2Config(co2_worker_size=k, **co2_settings(run.method, run.tau))
         co2 = CO2(model, settings, optimizer=optimizer)
     gen = torch.Generator().manual_seed(rank)
     tx_start = _link_tx_bytes()
@@ -58,11 +58,12 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_nod
         if co2 is not None:
             co2.average_gradients()  # inside a worker of several ranks (co2_node); else nothing
         optimizer.step()
-        boundary = co2 is not None and co2.step()
+        # a round ended (with fragments: the last fragment's boundary): its waits, summed over fragments
+        round_ended = co2 is not None and co2.step() and co2.round_step == 0
         if device.startswith("cuda"):
             torch.cuda.synchronize()  # a step's wall time is its kernels' time, not their launch
         times.append(time.perf_counter() - start)
-        if boundary:
+        if round_ended:
             waits.append(co2.last_wait_s)
             comms.append(co2.last_comm_s)
     if co2 is not None:
