@@ -48,15 +48,16 @@ class CO2Config:
         "the local models in place by the anchor's move (partial overlap: the all-reduce must hide "
         "behind k steps). Unset: at the next boundary, a full round of overlap (CO2).",
     )
-    co2_fragments: int = _knob(
-        1,
+    co2_fragments: int | None = _knob(
+        None,
         "F >= 1, dividing tau: split the outer state into F fragments whose rounds are offset by "
         "tau/F steps (streaming CO2): every tau/F steps one fragment launches its all-reduce (1/F "
         "of the bytes) and its average is applied tau/F steps later, mid-round. 1: the whole model "
-        "in one round.",
+        "in one round. Unset: F = tau (one fragment after every inner step), or 1 where a window "
+        "(co2_overlap_steps) or co2_overlap=False is set.",
     )
     co2_start_rule: Literal["anchor", "eager", "lookahead"] = _knob(
-        "anchor",
+        "lookahead",
         "Where a round starts: 'anchor' (every worker at the shared anchor), 'eager' (the anchor "
         "minus the worker's own last outer gradient, applied at once) or 'lookahead' (where the "
         "anchor will be once the in-flight average is applied, predicted with the worker's own "
@@ -69,9 +70,9 @@ class CO2Config:
         "average standing in for the one in flight). 1: plain eager.",
     )
     co2_gap_penalty: float = _knob(
-        1.0,
+        0.0,
         "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Full overlap only: an "
-        "average applied in-round (co2_overlap_steps, co2_fragments > 1) is not stale.",
+        "average applied in-round (co2_overlap_steps, more than one fragment) is not stale.",
     )
     co2_gap_penalty_mode: Literal["gap_aware", "constant"] = _knob(
         "gap_aware",
@@ -164,16 +165,16 @@ class CO2Config:
             _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
 
     def _validate_fragments(self) -> None:
-        _check_int(self, "co2_fragments", minimum=1)
         fragments, tau = self.co2_fragments, self.co2_local_steps
-        if fragments == 1:
+        if fragments is None:
             return
+        _check_int(self, "co2_fragments", minimum=1)
         if tau % fragments:
             raise ValueError(
                 f"co2_fragments={fragments} must divide co2_local_steps={tau} (one fragment reaches its "
                 f"boundary every tau/F steps): allowed values are {_divisors(tau)}"
             )
-        if self.co2_overlap_steps is not None:
+        if fragments > 1 and self.co2_overlap_steps is not None:
             raise ValueError(
                 f"co2_overlap_steps={self.co2_overlap_steps} cannot be combined with co2_fragments={fragments}: "
                 f"each fragment's average is applied co2_local_steps / co2_fragments = {tau // fragments} "
@@ -181,12 +182,21 @@ class CO2Config:
             )
 
     @property
+    def fragments(self) -> int:
+        """F, with the default resolved: tau fragments, or one where a window or no overlap is set."""
+        if self.co2_fragments is not None:
+            return self.co2_fragments
+        if self.co2_overlap_steps is not None or not self.co2_overlap:
+            return 1
+        return self.co2_local_steps
+
+    @property
     def window_steps(self) -> int | None:
         """k: inner steps between a launch and the in-round apply of its average; None: applied at
         the next boundary (a full round of overlap). Fragments: tau / F, the gap between two
         fragments' boundaries."""
-        if self.co2_fragments > 1:
-            return self.co2_local_steps // self.co2_fragments
+        if self.fragments > 1:
+            return self.co2_local_steps // self.fragments
         return self.co2_overlap_steps
 
     def check_world(self, world_size: int) -> int:

@@ -29,13 +29,6 @@ TRAINING_DEFAULTS = dict(
 # the `evaluate` accuracy metric, from disk: evaluate.load("accuracy") would fetch it from the Hub
 METRIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "accuracy")
 
-# CO2's settings in the recipes, where they differ from CO2Config's (the SPEC's) defaults: the eager
-# start, no outer momentum, no gap penalty. In the staleness study (docs/choosing_settings.md) this
-# was the fully overlapped setting closest to the synchronous methods; the SPEC defaults (anchor
-# start, beta 0.2, gap-aware penalty) trailed SlowMo-style by ~13%. Every one is a flag.
-CO2_RECIPE_DEFAULTS = dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0)
-
-
 def training_defaults() -> dict:
     """TRAINING_DEFAULTS plus the progress bar: shown in an interactive terminal, off when stderr
     is a file or a pipe (CI logs, compare_methods.py), where a bar only adds carriage returns.

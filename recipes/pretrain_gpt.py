@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from common import (
-    CO2_RECIPE_DEFAULTS,
     LRSpike,
     WallClock,
     card_fields,
@@ -398,8 +397,7 @@ def parse(argv: list[str] | None = None):
         per_device_eval_batch_size=32,
         learning_rate=1e-3,
         weight_decay=0.1,
-        **training_defaults(),
-        **CO2_RECIPE_DEFAULTS,
+        **training_defaults(),  # CO2: the library's defaults (docs/choosing_settings.md)
     )
     model_args, data_args, training_args = parse_arguments(parser, defaults, argv)
     check(model_args, data_args, training_args)

@@ -24,3 +24,13 @@ $S --steps 2400 --eval_every 200 --seeds 0 1 --configs look_b5 --out results/fin
 # ... and with the window k = 2, 3 seeds at both budgets
 $S --steps 2400 --eval_every 200 --seeds 0 1 2 --configs win2_look_b5 --out results/screen_micro_2400.jsonl
 $S --steps 600 --seeds 0 1 2 --configs win2_look_b5 --out results/screen_micro_600_lookahead.jsonl
+# streaming fragments (co2_fragments = F, each applied tau/F steps after its launch; docs/algorithm.md
+# section 7b), configurations f{F}_{eager|look|anchor}_b{beta*10}: 600-step screen, seed 0 ...
+$S --steps 600 --seeds 0 --out results/screen_micro_600_fragments.jsonl --configs f12_eager_b0 eager_b0 \
+  f6_eager_b0 f3_eager_b0 f2_eager_b0 f12_look_b5 f12_eager_b5 f3_look_b5 f12_anchor_b0 f12_anchor_b5
+$S --steps 600 --seeds 0 --jobs 1 --out results/screen_micro_600_fragments.jsonl --configs f12_look_b2 f12_look_b3
+# ... and 2400 steps
+$S --steps 2400 --eval_every 200 --seeds 0 --configs f12_look_b2 f12_look_b5 --out results/finalists_micro_2400_fragments.jsonl
+# the finalist (the defaults: co2_fragments = tau, lookahead start, beta 0.2), seeds 1 and 2 at both budgets
+$S --steps 2400 --eval_every 200 --seeds 1 2 --configs f12_look_b2 --out results/finalists_micro_2400_fragments.jsonl
+$S --steps 600 --seeds 1 2 --jobs 1 --configs f12_look_b2 --out results/finalists_micro_600_fragments.jsonl

@@ -34,14 +34,20 @@ METHODS = {
     "local_sgd": "--co2_overlap false --co2_outer_lr 1.0 --co2_outer_momentum 0.0",
     "slowmo": "--co2_overlap false --co2_outer_lr 1.0 --co2_outer_momentum 0.5",
     "diloco": "--co2_overlap false --co2_nesterov true --co2_outer_lr 0.7 --co2_outer_momentum 0.9",
-    "co2": "",  # the recipe's CO2 defaults
+    "co2": "",  # the library's CO2 defaults: streaming fragments (co2_fragments = tau)
+    # full overlap, the whole model in one round: the GPT recipe's CO2 before fragments existed
+    "co2_full": "--co2_fragments 1 --co2_start_rule eager --co2_outer_momentum 0.0 --co2_gap_penalty 0.0",
+    # the SPEC's (the paper's) form: full overlap, anchor start, beta 0.2, gap-aware penalty
+    "co2_paper": "--co2_fragments 1 --co2_start_rule anchor --co2_outer_momentum 0.2 --co2_gap_penalty 1.0",
 }
 LABELS = {
     "dp": "data parallel (AdamW)",
     "local_sgd": "local SGD",
     "slowmo": "SlowMo-style",
     "diloco": "DiLoCo-style",
-    "co2": "CO2 (overlapped)",
+    "co2": "CO2 (the recipe's defaults)",  # streaming since fragments; full overlap in older runs
+    "co2_full": "CO2, full overlap",
+    "co2_paper": "CO2, the paper's form",
 }
 
 

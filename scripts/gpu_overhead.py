@@ -7,8 +7,9 @@ One process, so the outer all-reduce is the identity and what is measured is CO2
 tau-th step the boundary's passes over the flat fp32 state (penalty, momentum, exchange, reset) and,
 with ``co2_state_device=cpu``, the copies between the GPU and host memory. Runs, interleaved
 ``--repeats`` times in one invocation so that a busy device moves them together: ``plain`` (no CO2),
-``co2`` (SPEC defaults), ``co2_recipe`` (the recipes' eager start, no momentum, no penalty) and
-``co2_cpu_state`` (the state in host memory).
+``co2`` (the defaults: streaming, a fragment's boundary and another's apply after every step),
+``co2_full`` (one fragment: the whole boundary every tau-th step), ``co2_paper`` (the SPEC's form:
+anchor start, beta 0.2, gap-aware penalty) and ``co2_cpu_state`` (the defaults, state in host memory).
 
 What is timed: ``--rounds`` whole rounds of tau steps after an untimed first round (round 0: first
 calls, the anchor), with the device synchronised once before and once after, never between steps,
@@ -35,7 +36,8 @@ SHAPES = {"small": dict(n_embd=768, n_layer=12, n_head=12), "tiny": dict(n_embd=
 RUNS = {
     "plain": None,
     "co2": dict(),
-    "co2_recipe": dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0),
+    "co2_full": dict(co2_fragments=1),
+    "co2_paper": dict(co2_fragments=1, co2_start_rule="anchor", co2_outer_momentum=0.2, co2_gap_penalty=1.0),
     "co2_cpu_state": dict(co2_state_device="cpu"),
 }
 TARGET = 1.03  # the issue's: CO2's time per step at most 3% above plain training's
@@ -57,8 +59,9 @@ def run(name: str, args) -> dict:
     )
 
     def train(steps: int) -> int:
-        """``steps`` training steps with no synchronisation of their own; returns the boundaries run."""
-        boundaries = 0
+        """``steps`` training steps with no synchronisation of their own; returns the rounds ended
+        (with fragments, the rounds whose last fragment reached its boundary)."""
+        round_ends = 0
         for _ in range(steps):
             tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=args.device)
             with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
@@ -66,13 +69,13 @@ def run(name: str, args) -> dict:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            boundaries += int(co2 is not None and co2.step())
-        return boundaries
+            round_ends += int(co2 is not None and co2.step() and co2.round_step == 0)
+        return round_ends
 
     train(args.tau)  # round 0, untimed: first calls everywhere, and CO2's anchor
     _sync(args.device)
     start = time.perf_counter()
-    boundaries = train(args.tau * args.rounds)
+    round_ends = train(args.tau * args.rounds)
     _sync(args.device)
     total = time.perf_counter() - start
     return {
@@ -80,7 +83,7 @@ def run(name: str, args) -> dict:
         "tau": args.tau,
         "rounds": args.rounds,
         "steps": args.tau * args.rounds,
-        "boundaries": boundaries,
+        "round_ends": round_ends,
         "total_s": total,
         "time_per_step_s": total / (args.tau * args.rounds),
         "outer_state_bytes": co2.outer_state_nbytes() if co2 is not None else 0,

@@ -24,6 +24,7 @@ FAMILIES = {  # prefix -> family label; the best of each family is plotted
     "eager": "overlapped, eager start",
     "look": "overlapped, lookahead start (ours)",
     "win": "partial overlap window (ours)",
+    "f": "streaming fragments (ours)",
 }
 
 
@@ -50,19 +51,24 @@ def load(paths: list[Path]) -> dict[tuple, list[dict]]:
 
 def table(runs: dict[tuple, list[dict]]) -> str:
     rows = [
-        "| model | steps | tau | config | final val loss (mean) | spread (min-max) | seeds | vs SlowMo |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | steps | tau | config | final val loss (mean) | spread (min-max) | seeds | vs SlowMo | vs best sync | vs dp |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def mean_of(key) -> float:
+        return statistics.fmean(r["final_val_loss"] for r in runs[key]) if key in runs else float("nan")
+
     for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], statistics.fmean(r["final_val_loss"] for r in runs[k]))):
         model, steps, tau, config = key
         losses = [r["final_val_loss"] for r in runs[key]]
-        base = runs.get((model, steps, tau, "slowmo"))
-        ratio = (
-            statistics.fmean(losses) / statistics.fmean(r["final_val_loss"] for r in base) if base else float("nan")
-        )
+        mean = statistics.fmean(losses)
+        # the better synchronous method of the cell: local SGD or SlowMo-style, whichever is lower
+        sync = min((mean_of((model, steps, tau, m)) for m in ("slowmo", "local_sgd")), key=lambda v: (v != v, v))
+        ratios = [mean / mean_of((model, steps, tau, m)) for m in ("slowmo",)] + [mean / sync]
+        ratios.append(mean / mean_of((model, steps, tau, "dp")))
         rows.append(
-            f"| {model} | {steps} | {tau} | {config} | {statistics.fmean(losses):.4f} | "
-            f"{min(losses):.3f}-{max(losses):.3f} | {len(losses)} | {ratio:.3f} |"
+            f"| {model} | {steps} | {tau} | {config} | {mean:.4f} | "
+            f"{min(losses):.3f}-{max(losses):.3f} | {len(losses)} | " + " | ".join(f"{r:.3f}" for r in ratios) + " |"
         )
     return "\n".join(rows)
 

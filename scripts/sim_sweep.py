@@ -32,6 +32,9 @@ CACHE = ROOT / "outputs" / "sim_cache"
 MODELS = {"micro": (64, 2, 2), "tiny": (128, 4, 4)}
 BLOCK, MICRO_BATCH, EVAL_BLOCKS = 128, 8, 64
 
+# The configurations below override the SPEC's defaults, which were CO2Config()'s when the study
+# began (results/ holds their runs); "co2" alone is CO2Config() as it is now.
+SPEC_DEFAULTS = dict(co2_fragments=1, co2_start_rule="anchor", co2_outer_momentum=0.2, co2_gap_penalty=1.0)
 # name -> CO2Config overrides (None: data parallel). Tau comes from --tau unless a config sets it.
 CONFIGS: dict[str, dict | None] = {
     "dp": None,
@@ -103,6 +106,8 @@ CONFIGS.update(
         for beta_name, beta in (("0", 0.0), ("2", 0.2), ("3", 0.3), ("5", 0.5))
     }
 )
+CONFIGS = {name: None if knobs is None else {**SPEC_DEFAULTS, **knobs} for name, knobs in CONFIGS.items()}
+CONFIGS["co2"] = {}
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,7 +123,8 @@ def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
     # SGD: Adam would amplify the rounding noise of gradients that are ~0 (attention key biases).
     # The eager start: live models differ from the anchor at every step, so an evaluation on the
     # anchor that leaked into training would show.
-    k2 = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager")
+    # one fragment: FSDP2 cuts fragments on its own local shards, so F > 1 would differ from replicas
+    k2 = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager", co2_fragments=1)
     fsdp = dict(k2, fsdp="full_shard")
 
     replicated = CO2Trainer(model=tiny_gpt2(), args=make_args(f"{out}/replicated", **k2), train_dataset=dataset())

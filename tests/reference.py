@@ -87,7 +87,7 @@ class ReferenceCO2:
         self.anchor = {n: t.detach().double().clone() for n, t in {**params, **buffers}.items()}
         self.momentum = {n: torch.zeros_like(self.anchor[n]) for n in params}
         self.own = [{n: torch.zeros_like(self.anchor[n]) for n in params} for _ in models]
-        F = cfg.co2_fragments
+        F = cfg.fragments
         self.masks = fragment_masks(models[0], F, worker_size or cfg.co2_worker_size, fsdp=fsdp)
         total = sum(t.numel() for t in params.values())
         # each fragment's momentum is clipped to phi * sqrt(its share of the parameters)
@@ -102,7 +102,7 @@ class ReferenceCO2:
     def window(self) -> int | None:
         """Steps from a launch to the in-round apply (None: at the next boundary)."""
         c = self.cfg
-        return c.co2_local_steps // c.co2_fragments if c.co2_fragments > 1 else c.co2_overlap_steps
+        return c.co2_local_steps // c.fragments if c.fragments > 1 else c.co2_overlap_steps
 
     # the outer update, exactly as defined, on fragment f's elements
     def apply(self, d_mean: dict, buf_mean: dict, stale: bool, f: int = 0) -> None:
@@ -142,7 +142,7 @@ class ReferenceCO2:
         """Count one inner step and run what is due; True when a (fragment's) boundary ran."""
         self.steps_in_round += 1
         self.since = [n + 1 for n in self.since]
-        tau, F, k = self.cfg.co2_local_steps, self.cfg.co2_fragments, self.window()
+        tau, F, k = self.cfg.co2_local_steps, self.cfg.fragments, self.window()
         ran = False
         if F == 1:
             if self.steps_in_round == k and self.pending[0] is not None:
@@ -198,7 +198,7 @@ class ReferenceCO2:
         received, self.pending[f] = self.pending[f], sent
         before = {n: t.clone() for n, t in self.anchor.items()}
         if received is not None:  # a fragment's slice has not moved since its base: never stale
-            self.apply(*received, stale=self.cfg.co2_fragments == 1, f=f)
+            self.apply(*received, stale=self.cfg.fragments == 1, f=f)
         new_own = None
         if eager:  # start at a - gamma d - (1 - gamma) (the anchor's last move)
             gamma = self.cfg.co2_eager_weight
@@ -221,7 +221,7 @@ class ReferenceCO2:
         return self.cfg.co2_outer_lr * step
 
     def finalize(self) -> None:
-        for f in range(self.cfg.co2_fragments):
+        for f in range(self.cfg.fragments):
             if self.since[f]:
                 self.boundary(f)
         for f, pending in enumerate(self.pending):
@@ -229,7 +229,7 @@ class ReferenceCO2:
                 self.apply(*pending, stale=self.window() is None, f=f)
                 self.pending[f] = None
         self.own = [{n: torch.zeros_like(t) for n, t in own.items()} for own in self.own]
-        for f in range(self.cfg.co2_fragments):
+        for f in range(self.cfg.fragments):
             self.reset(f, buffers=True)
 
     def reset(self, f: int, *, buffers: bool) -> None:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from workers import SPEC_DEFAULTS
+
 from co2_hf import CO2, CO2Config
 from co2_hf.core.comm import Communicator, Pending, ProcessGroupCommunicator
 
@@ -74,7 +76,7 @@ def _engine(rank: int, **cfg) -> tuple[nn.Module, torch.optim.Optimizer, CO2, Re
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     comm = RecordingCommunicator(ProcessGroupCommunicator(group))
-    co2 = CO2(model, CO2Config(co2_local_steps=TAU, **cfg), optimizer=optimizer, communicator=comm)
+    co2 = CO2(model, CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": TAU, **cfg}), optimizer=optimizer, communicator=comm)
     return model, optimizer, co2, comm
 
 
@@ -158,7 +160,7 @@ def peer_faults(rank: int, world: int, marker_dir: str) -> dict | None:
     signame, when = FAULTS[pair]
     model = Regression(seed=rank)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = CO2Config(co2_local_steps=TAU, co2_timeout_s=FAULT_TIMEOUT_S)
+    config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": TAU, "co2_timeout_s": FAULT_TIMEOUT_S})
     co2 = CO2(model, config, optimizer=optimizer, process_group=groups[pair])
     marker = os.path.join(marker_dir, f"pair{pair}.json")
     for step in range(20 * TAU):
@@ -192,7 +194,7 @@ def _fault(co2: CO2, signame: str, marker: str, when: str) -> None:
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(0.01)
     in_flight = not work.is_completed()
-    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": co2.progress.sent_round}
+    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": co2.fragments[0].progress.sent_round}
     with open(marker + ".tmp", "w") as f:
         json.dump(fault, f)
     os.replace(marker + ".tmp", marker)

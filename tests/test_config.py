@@ -56,9 +56,10 @@ def test_every_knob_is_covered_by_the_refusal_table():
 
 
 def test_defaults_and_help():
-    cfg = CO2Config()
+    cfg = CO2Config()  # streaming: one fragment per inner step, the lookahead start, beta 0.2
     assert (cfg.co2_local_steps, cfg.co2_outer_lr, cfg.co2_outer_momentum) == (12, 1.0, 0.2)
-    assert cfg.co2_overlap and cfg.co2_gap_penalty == 1.0 and cfg.co2_clip_threshold is None
+    assert (cfg.fragments, cfg.window_steps, cfg.co2_start_rule) == (12, 1, "lookahead")
+    assert cfg.co2_overlap and cfg.co2_gap_penalty == 0.0 and cfg.co2_clip_threshold is None
     assert all(f.metadata.get("help") for f in dataclasses.fields(CO2Config))
 
 
@@ -93,8 +94,10 @@ def test_co2_dict_round_trips():
 
 def test_fragments_set_the_window_and_refuse_a_second_one():
     assert CO2Config(co2_fragments=4).window_steps == 3  # tau 12 / F 4
-    assert CO2Config(co2_overlap_steps=2).window_steps == 2
-    assert CO2Config().window_steps is None
+    assert CO2Config(co2_overlap_steps=2).window_steps == 2  # a window: one fragment, unless asked
+    assert CO2Config(co2_overlap_steps=2).fragments == 1 and CO2Config(co2_overlap=False).fragments == 1
+    assert CO2Config(co2_local_steps=2).fragments == 2  # unset: F = tau
+    assert CO2Config(co2_fragments=1).window_steps is None
     with pytest.raises(ValueError, match="co2_overlap_steps=2 cannot be combined with co2_fragments=3.*None"):
         CO2Config(co2_fragments=3, co2_overlap_steps=2)
     with pytest.raises(ValueError, match=r"allowed values are \[1, 2, 3, 4, 6, 12\]"):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from workers import TinyNet, loss_on, make_optimizer
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core.comm import Pending
@@ -29,7 +29,7 @@ def _train(model, co2, optimizer, steps, start=0):
 def _engine(cfg=None, comm=None, **kw):
     model = TinyNet(seed=0)
     optimizer = make_optimizer(model)
-    co2 = CO2(model, cfg or CO2Config(**kw), optimizer=optimizer, communicator=comm)
+    co2 = CO2(model, cfg or CO2Config(**{**SPEC_DEFAULTS, **kw}), optimizer=optimizer, communicator=comm)
     return model, optimizer, co2
 
 
@@ -263,7 +263,7 @@ def test_load_state_dict_refuses_other_settings_or_another_model():
     _, _, other = _engine(co2_local_steps=4)
     with pytest.raises(ValueError, match="co2_local_steps: checkpoint 3, now 4"):
         other.load_state_dict(state)
-    different = CO2(nn.Linear(2, 2), CO2Config(co2_local_steps=3))
+    different = CO2(nn.Linear(2, 2), CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": 3}))
     with pytest.raises(ValueError, match="layout"):
         different.load_state_dict(state)
     _, _, patient = _engine(co2_local_steps=3, co2_timeout_s=60.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_processes
-from workers import train_engine, train_reference
+from workers import SPEC_DEFAULTS, train_engine, train_reference
 
 TAU = 3
 
@@ -16,7 +16,8 @@ def steps(kwargs: dict) -> int:
 
 
 def with_tau(kwargs: dict) -> dict:
-    return {"co2_local_steps": TAU, **kwargs}
+    """A scenario's settings over the SPEC's defaults (the fragment scenarios name theirs)."""
+    return {**SPEC_DEFAULTS, "co2_local_steps": TAU, **kwargs}
 
 
 SCENARIOS = {

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from workers import TinyNet, loss_on, make_optimizer
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2Config
 from co2_hf.core import CO2
@@ -19,26 +19,27 @@ from scripts.sim import SimulatedNetwork, Task, train_simulated
 pytestmark = pytest.mark.timeout(60)
 
 # sha256 (first 16 hex digits) of every engine's anchor and live state after 16 steps of 3 simulated
-# workers at tau 3, computed with the engine as it was before fragments existed (commit e5f4305,
-# /tmp/golden/golden.py of that session): co2_fragments = 1 must reproduce them bit for bit.
+# workers at tau 3 on one intra-op thread (the bits of a matmul depend on the thread count), computed
+# with the engine as it was before fragments existed (commit e5f4305): co2_fragments = 1 must
+# reproduce them bit for bit.
 GOLDEN = {
-    "default": ({}, "78cd16536bf60725"),
-    "eager_b0": (dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0), "5e3b6c867eeba73a"),
+    "default": ({}, "328294269aec5bef"),
+    "eager_b0": (dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0), "196ec6949a98723a"),
     "lookahead_nesterov": (
         dict(co2_start_rule="lookahead", co2_outer_momentum=0.5, co2_nesterov=True, co2_gap_penalty=0.0),
-        "77c4f6f6ff05b4a6",
+        "7985f18fa6fb335a",
     ),
-    "window_eager": (dict(co2_overlap_steps=1, co2_start_rule="eager", co2_outer_momentum=0.5), "62144efdc1014c4a"),
+    "window_eager": (dict(co2_overlap_steps=1, co2_start_rule="eager", co2_outer_momentum=0.5), "98ffaf6f364fa9d1"),
     "window_anchor_clip": (
         dict(co2_overlap_steps=2, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
-        "83747143d7c635bf",
+        "e3e7fccf00ff405a",
     ),
-    "slowmo": (dict(co2_overlap=False, co2_outer_momentum=0.5), "11ca0a867b38eba3"),
+    "slowmo": (dict(co2_overlap=False, co2_outer_momentum=0.5), "29aa4192b4801c8b"),
     "bf16_constant": (
         dict(co2_comm_dtype="bfloat16", co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"),
         "407ff40269dafe5d",
     ),
-    "warmup_eager_w": (dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5), "2264c892bbbc0a51"),
+    "warmup_eager_w": (dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5), "9efa733ae22b26c1"),
 }
 
 
@@ -63,10 +64,18 @@ def _digest(engines: list[CO2]) -> str:
     return h.hexdigest()[:16]
 
 
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_one_fragment_reproduces_the_engine_before_fragments_bit_for_bit(name):
+def test_one_fragment_reproduces_the_engine_before_fragments_bit_for_bit(name, one_thread):
     knobs, digest = GOLDEN[name]
-    config = CO2Config(co2_local_steps=3, co2_fragments=1, **knobs)
+    config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": 3, **knobs})  # CO2Config() was SPEC_DEFAULTS
     sim = train_simulated(workers=3, config=config, task=_task(), steps=16)
     assert _digest(sim.engines) == digest
 
@@ -152,7 +161,7 @@ def test_a_checkpoint_with_a_fragment_in_flight_resumes_bit_for_bit(start_rule):
 
 
 def test_format_1_checkpoints_of_one_fragment_still_load():
-    config = CO2Config(co2_local_steps=3, co2_start_rule="eager")
+    config = CO2Config(co2_local_steps=3, co2_start_rule="eager", co2_fragments=1)
     run = Workers(config, workers=2)
     run.train(0, 4)
     saved = run.save()
@@ -200,3 +209,30 @@ def test_metrics_sum_the_fragments_waits_and_combine_their_norms():
     # each fragment is clipped to phi * sqrt(its share): the whole momentum's norm is <= phi
     assert metrics["co2/momentum_norm"] <= 1e-4 * (1 + 1e-5)
     assert metrics["co2/clip_ratio"] == pytest.approx(mean([mean(m["clip_ratio"]) for m in per_part]))
+
+
+def test_fragments_send_bfloat16_on_the_wire_and_stay_close_to_float32():
+    finals = {}
+    for dtype in ("float32", "bfloat16"):
+        run = Workers(CO2Config(co2_comm_dtype=dtype, **FRAGMENTED), workers=2)
+        sent = []
+        for engine in run.engines:
+            launch = engine.comm.launch
+            engine.comm.launch = lambda t, launch=launch: sent.append(t.dtype) or launch(t)
+        run.train(0, 14)
+        finals[dtype] = run.finish()[0]
+        assert set(sent) == {getattr(torch, dtype)} and len(sent) >= 2 * 7  # a fragment every 2 steps
+    for key, value in finals["float32"].items():
+        torch.testing.assert_close(finals["bfloat16"][key], value, rtol=2e-2, atol=2e-2)
+    assert any(not torch.equal(finals["bfloat16"][k], v) for k, v in finals["float32"].items())
+
+
+def test_the_default_outer_state_is_sixteen_bytes_per_parameter_plus_a_header_per_fragment():
+    """The lookahead start keeps an offset per parameter (4 bytes) beside anchor, momentum and
+    buffer; each of the F fragments' buffers has its own header."""
+    model = TinyNet(seed=0)
+    co2 = CO2(model, CO2Config())
+    n, params = co2.layout.padded_numel, co2.layout.param_numel
+    headers = sum(part.wire.fp32.numel() - part.layout.shard_numel for part in co2.fragments)
+    assert len(co2.fragments) == 12 and headers == 12 * (1 + 32 + 1)
+    assert co2.outer_state_nbytes() == 12 * n + 4 * params + 4 * headers

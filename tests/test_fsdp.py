@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import run_processes
 from fsdp_workers import evaluation_on_the_anchor, fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
-from workers import assert_same_anchors, reference_hierarchical
+from workers import SPEC_DEFAULTS, assert_same_anchors, reference_hierarchical
 
 K, STEPS = 2, 3 * 4 + 2
 SCENARIOS = {
@@ -20,6 +20,7 @@ SCENARIOS = {
     # each process fragments its own local shards
     "fragments3_eager": dict(co2_local_steps=3, co2_fragments=3, co2_start_rule="eager", co2_outer_momentum=0.5),
 }
+SCENARIOS = {name: {**SPEC_DEFAULTS, **knobs} for name, knobs in SCENARIOS.items()}  # fragments: named
 
 
 def _suite(rank: int, world: int, path: str) -> dict:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from distributed import run_processes
 from workers import (
+    SPEC_DEFAULTS,
     assert_same_anchors,
     hierarchical_resume,
     hierarchical_stop,
@@ -29,6 +30,7 @@ SCENARIOS = {
         co2_local_steps=4, co2_fragments=2, co2_start_rule="lookahead", co2_clip_threshold=0.05
     ),
 }
+SCENARIOS = {name: {**SPEC_DEFAULTS, **knobs} for name, knobs in SCENARIOS.items()}  # fragments: named
 
 
 def _suite(rank: int, world: int) -> dict:

@@ -154,7 +154,7 @@ def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
     rows = compare_methods.table(lines, "eval_loss").splitlines()
     assert rows[0] == "| method | runs | eval_loss mean | std | / slowmo |"
     assert rows[2] == "| SlowMo-style | 2 | 5.0000 | 1.4142 | 1.000 |"
-    assert rows[3] == "| CO2 (overlapped) | 1 | 5.1000 | nan | 1.020 |"
+    assert rows[3] == "| CO2 (the recipe's defaults) | 1 | 5.1000 | nan | 1.020 |"
 
 
 @pytest.mark.timeout(20)

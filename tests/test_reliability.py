@@ -37,6 +37,8 @@ BAD_FLAGS = [
     ("co2_nesterov", "2", "expected one of yes/no"),
     ("co2_overlap", "maybe", "expected one of yes/no"),
     ("co2_overlap_steps", "0", "an integer >= 1 and < co2_local_steps"),
+    ("co2_fragments", "5", "allowed values are [1, 2, 3, 4, 6, 12]"),
+    ("co2_fragments", "x", "invalid"),
     ("co2_start_rule", "latest", "choose from"),
     ("co2_eager_weight", "-0.1", "a number in [0, 1]"),
     ("co2_gap_penalty", "-1", ">= 0"),

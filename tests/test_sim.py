@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_processes
-from workers import TinyNet, loss_on, make_optimizer, train_engine
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, train_engine
 
 from co2_hf import CO2Config
 from scripts.sim import Task, train_simulated
 
 SETTINGS = {
-    "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.5),
+    "co2": dict(SPEC_DEFAULTS, co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.5),
+    "streaming": dict(co2_local_steps=3, co2_clip_threshold=0.5),  # the defaults: fragments
     "slowmo": dict(co2_local_steps=3, co2_overlap=False, co2_outer_momentum=0.5),
 }
 STEPS = 14
@@ -69,7 +70,7 @@ def test_data_parallel_baseline_is_the_mean_gradient():
 
 
 def _final_anchor(workers: int, steps: int, **knobs) -> dict:
-    config = CO2Config(co2_local_steps=3, co2_gap_penalty=0.0, **knobs)
+    config = CO2Config(co2_local_steps=3, co2_gap_penalty=0.0, co2_fragments=1, **knobs)
     return train_simulated(workers=workers, config=config, task=_task(), steps=steps).engines[0].anchor_state()
 
 

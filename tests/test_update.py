@@ -150,7 +150,7 @@ def test_penalty_takes_the_mean_over_each_tensor_separately(chunk_numel):
 def test_constant_penalty():
     assert update.constant_penalty(4.0) == 0.25
     assert update.constant_penalty(0.5) == 1.0
-    cfg = dict(co2_gap_penalty=4.0, co2_gap_penalty_mode="constant")
+    cfg = dict(co2_gap_penalty=4.0, co2_gap_penalty_mode="constant", co2_fragments=1)
     penalty = make_penalty(CO2Config(**cfg), FlatLayout(_module(w=3)), torch.device("cpu"))
     assert isinstance(penalty, ConstantPenalty)
     d = torch.ones(3)
@@ -222,8 +222,9 @@ def test_nesterov_clip_bounds_momentum_not_the_gradient_term():
 @pytest.mark.parametrize(
     ("settings", "rule"),
     [
-        (dict(), "AnchorStart"),
+        (dict(co2_start_rule="anchor"), "AnchorStart"),
         (dict(co2_start_rule="eager"), "EagerStart"),
+        (dict(), "LookaheadStart"),  # the default
         (dict(co2_start_rule="lookahead"), "LookaheadStart"),
         (dict(co2_start_rule="eager", co2_overlap=False), "AnchorStart"),  # no overlap: nothing to anticipate
     ],
@@ -258,3 +259,9 @@ def test_the_round_schedule_says_what_is_due_after_each_step():
     assert [streaming.steps_since_boundary(f, 0, 3) for f in range(3)] == [1, 3, 3]
     assert [streaming.steps_since_boundary(f, 1, 3) for f in range(3)] == [1, 5, 3]
     assert [full.steps_since_boundary(0, 4, s) for s in (0, 2)] == [0, 2]
+
+
+def test_fragments_have_no_penalty_since_no_fragment_update_is_stale():
+    layout = FlatLayout(_module(w=3))
+    assert type(make_penalty(CO2Config(co2_gap_penalty=1.0), layout, torch.device("cpu"))) is NoPenalty
+    assert type(make_penalty(CO2Config(co2_gap_penalty=1.0, co2_fragments=1), layout, torch.device("cpu"))) is GapAwarePenalty

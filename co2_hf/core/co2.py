@@ -128,7 +128,7 @@ class CO2:
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
         self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
         self._round_started: float | None = None
-        self.schedule = RoundSchedule(cfg.co2_local_steps, cfg.window_steps, cfg.co2_fragments)
+        self.schedule = RoundSchedule(cfg.co2_local_steps, cfg.window_steps, cfg.fragments)
         self._events = {Event.APPLY_IN_ROUND: self._apply_in_round, Event.BOUNDARY: self._boundary}
         self._boundary_phases = self._overlapped_boundary if cfg.co2_overlap else self._synchronous_boundary
         self._take_anchor()
@@ -430,7 +430,7 @@ def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, ch
         worker_size=comm.worker_size,
         shard_index=comm.shard_index,
         chunk_numel=chunk_numel,
-        fragments=cfg.co2_fragments,
+        fragments=cfg.fragments,
     )
     if layout.presharded:  # FSDP2 inside the worker, never across workers
         layout.check_sharded_over(comm.worker_ranks())
@@ -441,9 +441,9 @@ def _clip_scales(layout: FlatLayout, comm: Communicator, cfg: CO2Config, device:
     """Per fragment, ``sqrt`` of its share of the worker's parameters: clipping each fragment's
     momentum to ``phi`` times it bounds the whole momentum's norm by ``phi``. 1 for one fragment;
     the shares are summed over the worker's processes (one collective) only when clipping."""
-    if cfg.co2_fragments == 1 or cfg.co2_clip_threshold is None:
-        return [1.0] * cfg.co2_fragments
-    local = [float(layout.fragment(f).param_local) for f in range(cfg.co2_fragments)]
+    if cfg.fragments == 1 or cfg.co2_clip_threshold is None:
+        return [1.0] * cfg.fragments
+    local = [float(layout.fragment(f).param_local) for f in range(cfg.fragments)]
     counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
     return [math.sqrt(float(c) / max(layout.total_param_numel, 1)) for c in counts]
 

@@ -124,7 +124,7 @@ def warn_about_start_rule(config: CO2Config) -> None:
     """Once per engine: the anchor start with an in-round apply counts steps twice."""
     k = config.window_steps
     if k is not None and config.co2_overlap and config.co2_start_rule == "anchor":
-        knob = f"co2_fragments={config.co2_fragments}" if config.co2_fragments > 1 else f"co2_overlap_steps={k}"
+        knob = f"co2_fragments={config.fragments}" if config.fragments > 1 else f"co2_overlap_steps={k}"
         logger.warning(
             "CO2: %s with co2_start_rule='anchor' makes every worker redo the first %d steps of its "
             "last round and count them twice (docs/algorithm.md, 7a); co2_start_rule='eager' avoids it",
@@ -207,7 +207,7 @@ def make_penalty(config: CO2Config, layout: FlatLayout, device: torch.device) ->
     """The penalty for stale updates in this run (``co2_gap_penalty = 0``: none). A fragment's
     average is applied before anything else moves its slice of the anchor: never stale, so
     fragments (``co2_fragments > 1``) have no penalty."""
-    if config.co2_gap_penalty <= 0 or config.co2_fragments > 1:
+    if config.co2_gap_penalty <= 0 or config.fragments > 1:
         return NoPenalty()
     return PENALTIES[config.co2_gap_penalty_mode](config, layout, device)
 

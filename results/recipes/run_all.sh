@@ -2,6 +2,10 @@
 # Every table of recipes/README.md's "Results on this machine", in the order it ran (about 80 minutes
 # on 2 cores). Each compare_methods.py call appends to <out>/runs.jsonl and redraws <out>/curves.png.
 set -eu
+# Every line up to the streaming one below ran before co2_fragments existed, when the recipes' CO2
+# was full overlap: "co2" there meant `--co2_fragments 1 --co2_start_rule eager --co2_outer_momentum 0
+# --co2_gap_penalty 0` (GPT; the "co2_full" method now) and `... --co2_outer_momentum 0.2
+# --co2_local_steps 2` (ViT). Add those flags to a method to rerun it as it ran then.
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
 R=results/recipes
@@ -45,3 +49,6 @@ $C --recipe gpt --methods --seeds 0 --max_steps 300 --out $R/gpt_clip --plot_co2
 $C --recipe gpt --methods co2 dp slowmo --max_steps 2000 --seeds 0 --out $R/gpt_2000 -- --eval_steps 200
 $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 \
   --method "co2_win2_look_b5=--co2_start_rule lookahead --co2_outer_momentum 0.5 --co2_overlap_steps 2" -- --eval_steps 200
+# GPT: streaming CO2 (the library's defaults since fragments: co2_fragments = tau, lookahead start,
+# beta 0.2) beside local SGD (the better synchronous method at 300 steps), 3 seeds, one invocation
+$C --recipe gpt --methods local_sgd --max_steps 300 --seeds 0 1 2 --out $R/gpt_stream --method "co2_stream="
