@@ -117,8 +117,7 @@ def worker(out: str, steps: int, save_steps: int, timeout_s: float, step_sleep: 
         lr_scheduler_type="constant",
         logging_steps=TAU,
         save_strategy="steps",
-        save_steps=save_steps,
-        save_total_limit=2,
+        save_steps=save_steps,  # every checkpoint kept: --reference resumes from the one the survivors did
         report_to="none",
         seed=0,
         disable_tqdm=True,
@@ -360,8 +359,8 @@ def main() -> None:
         for index in range(a.runs):
             try:
                 result = one_run(index, a)
-            except RuntimeError as error:
-                result = {"run": index, "ok": False, "error": str(error)}
+            except Exception as error:  # noqa: BLE001 -- one run's failure is reported, the next runs still run
+                result = {"run": index, "ok": False, "error": f"{type(error).__name__}: {error}"}
             print(json.dumps(result), flush=True)
             results.append(result)
     passed = sum(bool(r.get("ok")) for r in results)

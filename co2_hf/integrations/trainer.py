@@ -18,7 +18,9 @@ What CO2Trainer changes, each a few lines around ``super()``:
 - one ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included (`_CO2StepCallback`);
 - logs carry the ``co2/*`` metrics (`log`); evaluation runs on the anchor (`evaluate`);
 - the saved model is the anchor, checkpoints add each rank's own state (`_save`, `_save_checkpoint`),
-  and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`);
+  and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`); with ``--co2_elastic``
+  a checkpoint of another world size is re-sharded instead (``core/reshard.py``), with one WARNING
+  of what carried over and what was reset (`_restore_co2_resharded`);
 - a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
   from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`);
