@@ -223,3 +223,29 @@ def evaluation_on_the_anchor(rank: int, world: int) -> dict:
         live_after = model(tokens).clone()
         expected = whole.double()(tokens).float()
     return {"live_before": live_before, "on_anchor": on_anchor, "live_after": live_after, "expected": expected}
+
+
+def trainer_fsdp_elastic(rank: int, world: int, saved: str, out: str) -> dict:
+    """``trainer_fsdp_suite``'s 4-process checkpoint (2 workers of 2 under FSDP2) resumed with
+    co2_elastic by 2 processes (1 worker of 2 under FSDP2), trained to the end and saved."""
+    from trainer_workers import STOP_AT, _AtTrainBegin, _env, dataset, make_args, tiny_gpt2
+
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    fsdp = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager", fsdp="full_shard")
+    begin = _AtTrainBegin()
+    trainer = CO2Trainer(
+        model=tiny_gpt2(), args=make_args(out, co2_elastic=True, **fsdp), train_dataset=dataset(), callbacks=[begin]
+    )
+    begin.trainer = trainer
+    trainer.train(resume_from_checkpoint=f"{saved}/checkpoint-{STOP_AT}")
+    trainer.save_model(out)
+    torch.distributed.barrier()  # rank 0 writes the folder
+    return {
+        "begin": begin.seen["counters"],
+        "live_is_anchor": begin.seen["live_is_anchor"],
+        "step": trainer.state.global_step,
+        "final": _whole_state(trainer.model),
+        "fsdp_type": type(trainer.model).__name__,
+    }

@@ -125,6 +125,26 @@ def test_trainer_with_fsdp2_inside_workers_equals_replicated_workers_and_resumes
 
 
 @pytest.mark.timeout(240)
+def test_trainer_with_fsdp2_resumes_a_four_process_checkpoint_on_two_with_co2_elastic(hf_runs):
+    """The 4-process checkpoint (2 workers of 2, FSDP2) resumed on 1 worker of 2 (FSDP2 re-sharded)."""
+    from fsdp_workers import trainer_fsdp_elastic
+    from transformers import AutoModelForCausalLM
+
+    tmp_path, _ = hf_runs
+    saved, out = tmp_path / "trainer" / "resume", tmp_path / "elastic"
+    runs = run_processes(trainer_fsdp_elastic, 2, str(saved), str(out), timeout_s=200)
+    state = torch.load(saved / "checkpoint-6" / "co2_rank0.pt", weights_only=False)["co2"]
+    (fragment,) = state["fragments"]
+    for run in runs:
+        assert run["fsdp_type"].startswith("FSDP") and run["step"] == 12 and run["live_is_anchor"]
+        assert run["begin"] == {"clock": state["counters"], "fragment": {**fragment["counters"], "have_d": False}}
+        for key, value in runs[0]["final"].items():
+            assert torch.isfinite(value).all() and torch.equal(run["final"][key], value), key
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(loaded.transformer.wte.weight.detach(), runs[0]["final"]["transformer.wte.weight"])
+
+
+@pytest.mark.timeout(240)
 def test_accelerate_loop_with_fsdp2_saves_and_loads_mid_round_without_changing_the_run(hf_runs):
     from safetensors.torch import load_file
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
 import torch
 import yaml
 from distributed import run_processes
-from trainer_workers import STOP_AT, dataset, make_args, resumed, tiny_gpt2, two_process_suite
+from trainer_workers import (
+    STOP_AT,
+    dataset,
+    make_args,
+    resumed,
+    resumed_on_another_world,
+    tiny_gpt2,
+    two_process_suite,
+)
 
 from co2_hf import CO2Trainer, CO2TrainingArguments
 
@@ -117,6 +126,37 @@ def test_checkpoint_model_files_hold_the_anchor(suite):
     wte = model.transformer.wte.weight.detach().reshape(-1)
     assert torch.equal(wte, anchor[: wte.numel()])  # the first synchronised tensor
     assert not torch.equal(local["transformer.wte.weight"].reshape(-1), wte)  # mid-round: local != anchor
+
+
+@pytest.mark.timeout(400)
+def test_with_co2_elastic_a_two_process_checkpoint_resumes_on_one_and_on_three(suite, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = suite
+    saved = os.path.join(out, "resume")
+    ckpt = os.path.join(saved, f"checkpoint-{STOP_AT}")
+    rank_files = [torch.load(os.path.join(ckpt, f"co2_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+    one = [resumed_on_another_world(0, 1, saved, str(tmp_path / "one"))]  # in this process
+    three = run_processes(resumed_on_another_world, 3, saved, str(tmp_path / "three"), timeout_s=300)
+    for runs, target, words in ((one, "one", "seen a second time"), (three, "three", "skipped")):
+        for rank, run in enumerate(runs):
+            source = rank_files[rank % 2]  # new worker w takes old worker w mod 2
+            (fragment,) = source["co2"]["fragments"]
+            expected = {"clock": source["co2"]["counters"], "fragment": {**fragment["counters"], "have_d": False}}
+            assert fragment["counters"]["have_d"] and run["begin"]["counters"] == expected  # D applied
+            assert run["begin"]["live_is_anchor"]
+            for index, entry in source["optimizer"]["state"].items():
+                for name, value in entry.items():
+                    assert torch.equal(run["begin"]["optimizer"][index][name], value), (target, rank, name)
+            assert run["global_step"] == 12 and all(math.isfinite(x) for x in run["losses"])
+            for name, value in runs[0]["anchor"].items():
+                assert torch.equal(run["anchor"][name], value), (target, rank, name)
+        assert len(runs[0]["warnings"]) == 1 and "saved by 2 processes" in runs[0]["warnings"][0]
+        assert words in runs[0]["warnings"][0] and "Reset:" in runs[0]["warnings"][0]
+        assert all(not run["warnings"] for run in runs[1:])  # once: rank 0 only
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / target))
+        anchor = runs[0]["anchor"]["transformer.wte.weight"]
+        assert torch.equal(model.transformer.wte.weight.detach(), anchor)
 
 
 # ---------------------------------------------------------------- single process: refusals and the Hub

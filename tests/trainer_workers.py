@@ -218,3 +218,62 @@ def two_process_suite(rank: int, world: int, out: str) -> dict:
         "resume": uninterrupted_and_stopped(rank, world, out + "/resume"),
     }
 
+
+
+class _AtTrainBegin:
+    """What the resumed trainer holds when training starts: CO2's counters, whether every live
+    tensor is the anchor, and the inner optimizer's state (as tensors by parameter index)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Begin(TrainerCallback):
+            trainer, seen = None, {}
+
+            def on_train_begin(self, args, state, control, **kw):
+                co2 = self.trainer.co2
+                anchor, live = co2.anchor_state(), self.trainer.model.state_dict()
+                names = [s.names[0] for s in co2.layout.segments]
+                optimizer = self.trainer._inner_optimizer().state_dict()["state"]
+                state = co2.state_dict()
+                self.seen = {
+                    "counters": {"clock": state["counters"], "fragment": state["fragments"][0]["counters"]},
+                    "live_is_anchor": all(torch.equal(live[n], anchor[n]) for n in names),
+                    "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.items()},
+                }
+
+        return _Begin()
+
+
+def resumed_on_another_world(rank: int, world: int, out: str, target: str) -> dict:
+    """``uninterrupted_and_stopped``'s 2-process checkpoint resumed with co2_elastic on this world,
+    trained to the end and saved; what it held at the start, the warnings, the final anchor."""
+    import logging
+
+    from co2_hf import CO2Trainer
+
+    if world > 1:
+        _env(rank, world)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("co2_hf.integrations.trainer").addHandler(handler)
+    torch.manual_seed(1234)
+    begin = _AtTrainBegin()
+    args = make_args(target, co2_elastic=True)
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(), callbacks=[begin])
+    begin.trainer = trainer
+    try:
+        trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{STOP_AT}")
+    finally:
+        logging.getLogger("co2_hf.integrations.trainer").removeHandler(handler)
+    trainer.save_model(target)
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 writes the folder
+    return {
+        "begin": begin.seen,
+        "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING and "resuming" in r.getMessage()],
+        "global_step": trainer.state.global_step,
+        "anchor": {k: v.clone() for k, v in trainer.co2.anchor_state().items()},
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }

@@ -24,6 +24,8 @@ STATE_FORMAT = 2
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
 # Settings added after format 1, with the value every older checkpoint was trained with.
 ADDED_SETTINGS = {"co2_fragments": 1}
+# load_state_dict resumes exactly; another number of workers goes through core/reshard.py
+ELSEWHERE = "; to resume on another number of workers, re-shard the state (co2_hf.core.reshard.load_resharded)"
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
 
 
@@ -75,14 +77,17 @@ def check_compatible(
     this setting."""
     if saved.get("format") != STATE_FORMAT:
         raise ValueError(f"unknown CO2 checkpoint format {saved.get('format')!r}")
-    _check_same_config(saved["config"], config)
+    check_same_config(saved["config"], config)
     _check_same("layout (parameter names and shapes)", saved["layout"], layout)
-    _check_same("number of workers", saved["num_workers"], num_workers)
+    _check_same("number of workers", saved["num_workers"], num_workers, ELSEWHERE)
     _check_same("worker index", saved["worker_index"], worker_index)
 
 
-def _check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = {k: (saved.get(k), v) for k, v in current.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
+def check_same_config(
+    saved: dict[str, Any], current: dict[str, Any], *, may_change: tuple[str, ...] = RESUMABLE_CHANGES
+) -> None:
+    """Raise ``ValueError`` naming every setting outside ``may_change`` that differs."""
+    changed = {k: (saved.get(k), v) for k, v in current.items() if k not in may_change and saved.get(k) != v}
     if changed:
         detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise ValueError(
@@ -90,6 +95,8 @@ def _check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
-def _check_same(what: str, saved: Any, current: Any) -> None:
+def _check_same(what: str, saved: Any, current: Any, hint: str = "") -> None:
     if saved != current:
-        raise ValueError(f"the CO2 checkpoint does not match this run's {what}: checkpoint {saved!r}, now {current!r}")
+        raise ValueError(
+            f"the CO2 checkpoint does not match this run's {what}: checkpoint {saved!r}, now {current!r}{hint}"
+        )

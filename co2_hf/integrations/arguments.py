@@ -61,6 +61,16 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         },
     )
 
+    # a Trainer setting, not a CO2Config one: it changes what a resume may do, not the algorithm
+    co2_elastic: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
+            "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
+            "worker restarts from the anchor; not bit-identical (README, 'Losing a node'). False: refused."
+        },
+    )
+
     # Set by __post_init__, not a flag: with --fsdp (FSDP2) and co2_worker_size = k > 1, what CO2Trainer
     # needs to shard the model over the k processes of each worker (the Trainer's own fsdp and
     # fsdp_config are cleared, as they would shard across workers)

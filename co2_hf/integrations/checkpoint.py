@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..config import CO2Config
-from ..core import CO2
+from ..core import CO2, reshard
 
 RANK_FILE = "co2_rank{rank}.pt"
 CONFIG_FILE = "co2_config.json"
@@ -140,7 +140,8 @@ def _check_world_size(directory: str, saved: int, world_size: int) -> None:
     if saved != world_size:
         raise ValueError(
             f"checkpoint {directory} was saved by {saved} processes and this run has "
-            f"{world_size}: an exact CO2 resume needs the same world size"
+            f"{world_size}: an exact CO2 resume needs the same world size (the Trainer resumes on another "
+            "one with --co2_elastic true: README, 'Losing a node')"
         )
 
 
@@ -152,6 +153,49 @@ def apply_rank_state(state: dict[str, Any], *, co2: CO2, model: nn.Module, optim
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
+
+
+# ---------------------------------------------------------------------- another world size
+
+
+def saved_world(directory: str) -> tuple[int, int]:
+    """(world size, ``co2_worker_size``) of the run that saved ``directory``, from its config file."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"checkpoint {directory} has no {CONFIG_FILE}, which records the world that saved it: it can "
+            "only be resumed on the same world size"
+        )
+    with open(path) as f:
+        saved = json.load(f)
+    return saved["world_size"], saved["co2_worker_size"]
+
+
+def elastic_sources(directory: str, rank: int, world_size: int, worker_size: int) -> list[int] | None:
+    """The saved ranks whose files rank ``rank`` reads to resume on ``world_size`` processes of
+    ``worker_size`` per worker: the processes of old worker ``w mod G`` for new worker ``w``
+    (``core/reshard.py``). None when the checkpoint was saved by this very world: an exact resume."""
+    saved_size, saved_k = saved_world(directory)
+    if (saved_size, saved_k) == (world_size, worker_size):
+        return None
+    return reshard.source_ranks(saved_size // saved_k, saved_k, rank // worker_size)
+
+
+def read_states(directory: str, ranks: list[int]) -> list[dict[str, Any]]:
+    """The rank files of ``ranks`` (checked before by `check_complete` with ``sources=ranks``)."""
+    return [torch.load(rank_file(directory, r), map_location="cpu", weights_only=False) for r in ranks]
+
+
+def apply_resharded_state(states: list[dict[str, Any]], *, co2: CO2, optimizer: Any, scaler: Any = None) -> None:
+    """Resume this rank from the files of another world's ranks (`elastic_sources`): CO2's state
+    re-sharded, every live tensor restarted from the anchor with the received average applied (the
+    saved local parameters are not used), the inner optimizer state of the source worker re-sharded,
+    the first source rank's AMP scaler. Collective inside the worker."""
+    reshard.load_resharded(co2, [s["co2"] for s in states])
+    if optimizer is not None and states[0]["optimizer"] is not None:
+        optimizer.load_state_dict(reshard.resharded_optimizer_state([s["optimizer"] for s in states], optimizer))
+    if scaler is not None and states[0]["scaler"] is not None:
+        scaler.load_state_dict(states[0]["scaler"])
 
 
 def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
@@ -265,11 +309,19 @@ def _rename(staging: str, final_dir: str) -> None:
 
 
 def check_complete(
-    directory: str, rank: int, world_size: int, *, step: int | None = None, verify: bool = True
+    directory: str,
+    rank: int,
+    world_size: int,
+    *,
+    step: int | None = None,
+    verify: bool = True,
+    sources: list[int] | None = None,
 ) -> dict[str, Any]:
     """Refuse, with a message saying why, a checkpoint that cannot resume this rank exactly.
 
     ``verify``: also compare the checksums of the files this rank reads (see the module docstring).
+    ``sources``: resuming on another world size (`elastic_sources`), the saved ranks whose files this
+    rank reads instead of its own; the world size may then differ.
     """
     path = os.path.join(directory, MANIFEST_FILE)
     if not os.path.exists(path):
@@ -285,14 +337,18 @@ def check_complete(
         except ValueError as error:  # not UTF-8 or not JSON: the manifest has no checksum of its own
             message = f"checkpoint {directory} is corrupted: its {MANIFEST_FILE} is not valid JSON ({error})"
             raise ValueError(message) from error
-    _check_world_size(directory, manifest["world_size"], world_size)
+    if sources is None:
+        _check_world_size(directory, manifest["world_size"], world_size)
     if not manifest["ranks"]:
         raise ValueError(_no_co2_state(directory))
-    if str(rank) not in manifest["ranks"]:
+    reads = [rank] if sources is None else sources
+    missing = [r for r in reads if str(r) not in manifest["ranks"]]
+    if missing:
         raise ValueError(
             f"checkpoint {directory} holds the CO2 state of ranks {sorted(map(int, manifest['ranks']))} "
-            f"only, not of rank {rank}: with save_on_each_node every node keeps its own ranks' files; "
-            "resume with the same ranks on the same nodes"
+            f"only, not of rank(s) {missing} that rank {rank} reads: with save_on_each_node every node "
+            "keeps its own ranks' files; resume with the same ranks on the same nodes"
+            + ("" if sources is None else ", or gather every node's co2_rank files into one folder first")
         )
     if step is not None and manifest["step"] != step:
         raise ValueError(f"checkpoint {directory} mixes steps: its manifest says {manifest['step']}, not {step}")
@@ -308,13 +364,13 @@ def check_complete(
             )
     if verify:
         old = manifest.get("format", 1) < 2
-        _verify(directory, files, others=_other_rank_files(manifest, rank), old=old, rank=rank)
+        _verify(directory, files, others=_other_rank_files(manifest, reads), old=old, rank=rank)
     return manifest
 
 
-def _other_rank_files(manifest: dict[str, Any], rank: int) -> set[str]:
-    """The rank files this rank does not read (their own ranks verify them)."""
-    return {entry["file"] for r, entry in manifest["ranks"].items() if r != str(rank)}
+def _other_rank_files(manifest: dict[str, Any], reads: list[int]) -> set[str]:
+    """The rank files this rank does not read (the ranks that read them verify them)."""
+    return {entry["file"] for r, entry in manifest["ranks"].items() if int(r) not in reads}
 
 
 def _verify(directory: str, files: dict[str, dict], *, others: set[str], old: bool, rank: int) -> None:

@@ -18,7 +18,9 @@ What CO2Trainer changes, each a few lines around ``super()``:
 - one ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included (`_CO2StepCallback`);
 - logs carry the ``co2/*`` metrics (`log`); evaluation runs on the anchor (`evaluate`);
 - the saved model is the anchor, checkpoints add each rank's own state (`_save`, `_save_checkpoint`),
-  and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`);
+  and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`); with ``--co2_elastic``
+  a checkpoint of another world size is re-sharded instead (``core/reshard.py``), with one WARNING
+  of what carried over and what was reset (`_restore_co2_resharded`);
 - a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
   from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`);
@@ -89,6 +91,7 @@ class CO2Trainer(Trainer):
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
         self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
+        self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
         self._warned_local_gathers = False
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
@@ -121,9 +124,22 @@ class CO2Trainer(Trainer):
     def _check_resumable(self, directory: str) -> None:
         """An incomplete, copied, corrupted or mismatched checkpoint is refused, saying why, on every
         rank (`check_complete` with its checksums, `checkpoint.agree`), before any file is read."""
-        step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
-        checkpoint.agree(checkpoint.check_complete, directory, rank, world, step=step)
+        self._co2_sources = checkpoint.agree(self._checked_sources, directory, verify=True)
         self._co2_verified = directory  # `_restore_co2` then checks sizes only: no second hashing
+
+    def _checked_sources(self, directory: str, *, verify: bool) -> list[int] | None:
+        """`check_complete` for the rank files this rank reads: its own, or with ``co2_elastic`` after a
+        change of world those of the old worker it takes over (returned; None: its own)."""
+        sources = self._elastic_sources(directory)
+        step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
+        checkpoint.check_complete(directory, rank, world, step=step, verify=verify, sources=sources)
+        return sources
+
+    def _elastic_sources(self, directory: str) -> list[int] | None:
+        if not getattr(self.args, "co2_elastic", False):
+            return None
+        rank, world = self.args.process_index, self.args.world_size
+        return checkpoint.elastic_sources(directory, rank, world, self.co2_config.co2_worker_size)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         # the Trainer's one place where the optimizer is made, the model prepared and a checkpoint's
@@ -360,6 +376,11 @@ class CO2Trainer(Trainer):
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
         restored the anchor into the model and rank 0's optimizer everywhere)."""
         verified = self._co2_verified == directory  # by `_check_resumable`, just before
+        sources = self._co2_sources if verified else self._elastic_sources(directory)
+        if sources is not None:
+            if not verified:
+                self._checked_sources(directory, verify=True)
+            return self._restore_co2_resharded(directory, sources)
         rank, world = self.args.process_index, self.args.world_size
         state = checkpoint.read_rank_state(directory, rank, world, verify=not verified)
         checkpoint.apply_rank_state(
@@ -368,6 +389,58 @@ class CO2Trainer(Trainer):
             model=self.model,
             optimizer=self._inner_optimizer(),
             scaler=getattr(self.accelerator, "scaler", None),
+        )
+
+    def _restore_co2_resharded(self, directory: str, sources: list[int]) -> None:
+        """After a change of world (``co2_elastic``): CO2's state re-sharded from the old worker this
+        rank's worker takes over, the live model restarted from the anchor (``core/reshard.py``)."""
+        checkpoint.apply_resharded_state(
+            checkpoint.read_states(directory, sources),
+            co2=self.co2,
+            optimizer=self._inner_optimizer(),
+            scaler=getattr(self.accelerator, "scaler", None),
+        )
+        self._warn_world_changed(directory)
+
+    def _warn_world_changed(self, directory: str) -> None:
+        """Once (rank 0; the others at INFO): what a resume on another world carried and what it reset,
+        and where the data resumes (the Trainer fast-forwards by steps, not by samples)."""
+        saved_world, saved_k = checkpoint.saved_world(directory)
+        world, k, co2 = self.args.world_size, self.co2_config.co2_worker_size, self.co2
+        per_process = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        step = self.state.global_step
+        was, now = step * per_process * saved_world, step * per_process * world
+        data = (
+            f"samples {now} to {was - 1} of the epoch's order are seen a second time"
+            if now < was
+            else f"samples {was} to {now - 1} of the epoch's order are skipped"
+            if now > was
+            else "no sample is seen twice or skipped"
+        )
+        (logger.warning if self.is_world_process_zero() else logger.info)(
+            "CO2: resuming %s, saved by %d processes (%d workers of %d), on %d processes (%d workers of %d). "
+            "Carried over exactly, re-sharded: the anchor, the outer momentum, the outer average received "
+            "before the save (applied now, as the next boundary would have), the counters (step %d, round %d, "
+            "%d steps into it) and the learning-rate schedule; new worker w takes old worker w mod %d's inner "
+            "optimizer state and AMP scaler. Reset: every worker's local parameters restart from the anchor "
+            "(the steps each took since its round started are lost), and the start offsets. The data resumes "
+            "by steps: the saved run had read %d samples and this one skips %d, so %s (in the first epoch; "
+            "later the epochs shift too). Ranks >= %d find no RNG state of their own.",
+            directory,
+            saved_world,
+            saved_world // saved_k,
+            saved_k,
+            world,
+            world // k,
+            k,
+            step,
+            co2.round,
+            co2.round_step,
+            saved_world // saved_k,
+            was,
+            now,
+            data,
+            saved_world,
         )
 
     def create_model_card(self, *args, tags=None, **kwargs) -> None:
