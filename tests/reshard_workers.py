@@ -17,13 +17,23 @@ from co2_hf import CO2, CO2Config
 from co2_hf.core import reshard
 
 SAVE_AT, TAU, AFTER = 6, 4, 8  # saved 2 steps into round 1; the next boundary is at step 8
-BASE = dict(co2_local_steps=TAU, co2_outer_momentum=0.5, co2_start_rule="eager")
+BASE = dict(co2_local_steps=TAU, co2_outer_momentum=0.5, co2_start_rule="eager", co2_fragments=1, co2_gap_penalty=1.0)
 RUNS = {
     "flat": dict(BASE),  # with the gap-aware penalty: exact too, each worker holds the whole vector
     "fsdp": dict(BASE, co2_gap_penalty=0.0, co2_worker_size=2),
+    # streaming, 2 fragments of k = 2 steps: saved with fragment 0 in flight (launched at step 6),
+    # whose average the old run applies at step 8; Nesterov and the lookahead start
+    "stream": dict(BASE, co2_fragments=2, co2_start_rule="lookahead", co2_nesterov=True),
 }
 # (world, run) -> (co2_worker_size of the resumed run, FSDP2 inside it)
-RESUMED = {(3, "flat"): (1, False), (3, "fsdp"): (3, True), (1, "flat"): (1, False), (1, "fsdp"): (1, False)}
+RESUMED = {
+    (3, "flat"): (1, False),
+    (3, "fsdp"): (3, True),
+    (3, "stream"): (1, False),
+    (1, "flat"): (1, False),
+    (1, "fsdp"): (1, False),
+    (1, "stream"): (1, False),
+}
 
 
 def _model(run: str, k: int, fsdp: bool, seed: int = 0) -> torch.nn.Module:
@@ -99,6 +109,7 @@ def resume_runs(rank: int, world: int, path: str) -> dict:
         optimizer.load_state_dict(reshard.resharded_optimizer_state([s["optimizer"] for s in states], optimizer))
         after = co2.state_dict()
         result["progress"] = {"clock": after["counters"], "fragment": after["fragments"][0]["counters"]}
+        result["fragment_counters"] = [f["counters"] for f in after["fragments"]]
         result["anchor"] = full_anchor(co2, _names(co2))
         live = {n: _whole(t).double() for n, t in model.state_dict().items() if n in result["anchor"]}
         result["live"] = live

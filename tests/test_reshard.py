@@ -36,6 +36,8 @@ def test_a_new_worker_takes_its_state_from_old_worker_index_modulo_g(runs):
 def test_anchor_momentum_average_and_counters_carry_over_exactly(runs):
     saved, resumed = runs
     for world, rank, run, out in _every(resumed):
+        if run == "stream":
+            continue  # below
         source = saved[out["sources"][0]][run]["co2"]
         carried = out["carried"]
         (fragment,), (kept,) = source["fragments"], carried["fragments"]
@@ -55,6 +57,26 @@ def test_anchor_momentum_average_and_counters_carry_over_exactly(runs):
             assert torch.equal(out["anchor"][name], value), (world, rank, run, name)
             assert torch.equal(out["live"][name], value), (world, rank, run, name)
         assert out["progress"] == {"clock": source["counters"], "fragment": {**fragment["counters"], "have_d": False}}
+
+
+@pytest.mark.timeout(300)
+def test_with_fragments_the_received_average_is_applied_and_every_fragment_starts_afresh(runs):
+    saved, resumed = runs
+    for world, rank, run, out in _every(resumed):
+        if run != "stream":
+            continue
+        source = saved[out["sources"][0]][run]["co2"]
+        assert [f["counters"]["have_d"] for f in source["fragments"]] == [True, False]  # fragment 0 in flight
+        # the anchor (and every live tensor) is the old run's after fragment 0's in-round apply, exactly
+        for name, value in saved[0][run]["anchor_next"].items():
+            assert torch.equal(out["anchor"][name], value), (world, rank, name)
+            assert torch.equal(out["live"][name], value), (world, rank, name)
+        assert out["progress"]["clock"] == source["counters"]
+        clock_round = source["counters"]["round"]
+        for counters in out["fragment_counters"]:
+            assert not counters["have_d"] and counters["round"] == clock_round
+        for fragment in out["carried"]["fragments"]:
+            assert not fragment["own_outer_grad"].any()
 
 
 @pytest.mark.timeout(300)

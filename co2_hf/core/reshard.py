@@ -34,8 +34,15 @@ each new rank holds the whole model in fp32 once per tensor kind, at load time o
 
 The format-specific keys of a saved state (format 2, or 1 upgraded; ``core/state.py``) are read in
 `_tensors`, `_counters` and `_layout` only, and written in `_state_like` only; `start_from_anchor`
-works on the engine's clock (`Progress`). Streaming fragments (``co2_fragments > 1``) are refused:
-their offset rounds would each need their own restart point.
+works on the engine's clock (`Progress`).
+
+Streaming fragments (``co2_fragments > 1``, docs/algorithm.md section 7b): fragments are cut on each
+process's shard, so another layout cuts them elsewhere, and each old fragment's received average has
+no new fragment to wait in. Those averages (a fragment's ``D`` is never stale: ``P = 1``) are applied
+here, element by element on the re-sharded state, with the engine's own operations
+(`_apply_received`); every new fragment then starts from the anchor with nothing received, and its
+round counter is the engine's round (the same on every new rank). Clipping is per fragment, over a
+norm the old layout's fragments defined: refused with fragments.
 """
 
 from __future__ import annotations
@@ -48,28 +55,38 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .state import RESUMABLE_CHANGES, STATE_FORMAT, check_same_config, upgrade
+from .wire import ROUND_BITS
 
 # Settings that may differ between the checkpoint and a resume on another number of workers
 ELASTIC_CHANGES = RESUMABLE_CHANGES + ("co2_worker_size",)
 # The outer tensors that carry over, re-sharded (the start rule's offset does not: it is reset)
-CARRIED = ("anchor", "momentum", "payload")
+CARRIED = ("anchor", "momentum", "payload", "received")
 
 
 # ------------------------------------------------------------------ the one place that knows the format
 
 
 def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
-    """The carried outer tensors of one saved rank, each over its own shard (one fragment)."""
+    """The carried outer tensors of one saved rank, each over its own shard: the fragments' payloads
+    end to end, and ``received``: 1 where that fragment's buffer holds a received ``D``."""
     saved = upgrade(saved)
-    (fragment,) = saved["fragments"]
-    n = saved["anchor"].numel()
-    return {"anchor": saved["anchor"], "momentum": saved["momentum"], "payload": fragment["buffer"][:n]}
+    header = 1 + ROUND_BITS + saved["num_workers"]  # wire.py's: weight, round bits, one wait per worker
+    payloads = [fragment["buffer"][: fragment["buffer"].numel() - header] for fragment in saved["fragments"]]
+    received = [
+        torch.full_like(d, float(fragment["counters"]["have_d"])) for d, fragment in zip(payloads, saved["fragments"])
+    ]
+    return {
+        "anchor": saved["anchor"],
+        "momentum": saved["momentum"],
+        "payload": torch.cat(payloads),
+        "received": torch.cat(received),
+    }
 
 
 def _counters(saved: dict[str, Any]) -> dict[str, Any]:
-    """The engine's clock and its one fragment's counters."""
+    """The engine's clock and its fragments' counters."""
     saved = upgrade(saved)
-    return {"clock": saved["counters"], "fragment": saved["fragments"][0]["counters"]}
+    return {"clock": saved["counters"], "fragments": [fragment["counters"] for fragment in saved["fragments"]]}
 
 
 def _layout(saved: dict[str, Any]) -> dict[str, Any]:
@@ -78,24 +95,50 @@ def _layout(saved: dict[str, Any]) -> dict[str, Any]:
 
 def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dict[str, Any]) -> dict[str, Any]:
     """A state for this rank in its own format and identity (``fresh``: its ``state_dict()``), holding
-    ``tensors`` and ``counters``; the start rule's offset is zero (reset)."""
-    (fragment,) = fresh["fragments"]
-    buffer = torch.zeros_like(fragment["buffer"])  # the header is rewritten at the next launch
-    buffer[: tensors["payload"].numel()] = tensors["payload"]
-    offset = fragment["own_outer_grad"]
+    ``tensors`` and ``counters``; the start rule's offsets are zero (reset). One fragment: its buffer
+    holds the received ``D``. Several: nothing is received (`_apply_received` applied it), and every
+    fragment's round is the clock's."""
+    one = len(fresh["fragments"]) == 1
+    fragments = []
+    for fragment in fresh["fragments"]:
+        buffer = torch.zeros_like(fragment["buffer"])  # the header is rewritten at the next launch
+        if one:
+            buffer[: tensors["payload"].numel()] = tensors["payload"]
+            kept = dict(counters["fragments"][0])
+        else:
+            round_index = counters["clock"]["round"]
+            kept = {**fragment["counters"], "round": round_index, "sent_round": round_index, "have_d": False}
+            kept["consecutive_skipped"] = kept["skipped_rounds"] = 0
+        offset = fragment["own_outer_grad"]
+        zero = None if offset is None else torch.zeros_like(offset)
+        fragments.append({"buffer": buffer, "own_outer_grad": zero, "counters": kept})
+    if not one:  # the skipped rounds, summed, are kept on the first fragment
+        fragments[0]["counters"]["skipped_rounds"] = sum(c["skipped_rounds"] for c in counters["fragments"])
     return {
         **fresh,
         "anchor": tensors["anchor"].to(fresh["anchor"]),
         "momentum": tensors["momentum"].to(fresh["momentum"]),
         "counters": dict(counters["clock"]),
-        "fragments": [
-            {
-                "buffer": buffer,
-                "own_outer_grad": None if offset is None else torch.zeros_like(offset),
-                "counters": dict(counters["fragment"]),
-            }
-        ],
+        "fragments": fragments,
     }
+
+
+def _apply_received(tensors: dict[str, Tensor], engine: Any) -> None:
+    """Fragments: where an old fragment had received its ``D``, apply it as its in-round apply would
+    have (``P = 1``): ``m <- beta m + D``, ``v`` (Nesterov: ``beta m + D``), ``a <- a - alpha v`` on
+    parameters, ``a <- D`` on buffers. The same in-place operations as the engine's, on a copy."""
+    cfg, n = engine.config, engine.layout.param_local
+    d, where = tensors["payload"], tensors["received"] > 0.5
+    anchor, momentum = tensors["anchor"].clone(), tensors["momentum"].clone()
+    momentum[:n].mul_(cfg.co2_outer_momentum).add_(d[:n])
+    step = momentum[:n]
+    if cfg.co2_nesterov:
+        step = d[:n].clone()
+        step.add_(momentum[:n], alpha=cfg.co2_outer_momentum)
+    anchor[:n].sub_(step, alpha=cfg.co2_outer_lr)
+    anchor[n:] = d[n:]
+    tensors["momentum"] = torch.where(where, momentum, tensors["momentum"])
+    tensors["anchor"] = torch.where(where, anchor, tensors["anchor"])
 
 
 # ------------------------------------------------------------------ public functions
@@ -125,11 +168,11 @@ def check_reshardable(saved: list[dict[str, Any]], engine: Any) -> None:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown CO2 checkpoint format {state.get('format')!r}")
     check_same_config(saved[0]["config"], fresh["config"], may_change=ELASTIC_CHANGES)
-    fragments = fresh["config"]["co2_fragments"]
-    if fragments != 1:
+    if engine.config.fragments > 1 and engine.config.co2_clip_threshold is not None:
         raise ValueError(
-            f"resuming on another number of workers supports co2_fragments=1 only, not {fragments}: "
-            "resume with the checkpoint's world size and co2_worker_size"
+            f"resuming on another number of workers with co2_fragments={engine.config.fragments} supports "
+            f"co2_clip_threshold=None only, not {engine.config.co2_clip_threshold} (each fragment's clip "
+            "depends on where the old layout cut it): resume with the checkpoint's world size and co2_worker_size"
         )
     _check_same_model(_layout(saved[0]), engine.layout)
     k = _layout(saved[0])["worker_size"]
@@ -153,6 +196,8 @@ def resharded_state(saved: list[dict[str, Any]], engine: Any) -> dict[str, Any]:
     for key in CARRIED:
         whole = _whole_segments([_tensors(state)[key] for state in saved], layouts)
         tensors[key] = _own_shard(whole, engine.layout)
+    if engine.config.fragments > 1:
+        _apply_received(tensors, engine)
     return _state_like(engine.state_dict(), tensors, _counters(saved[0]))
 
 
@@ -176,7 +221,7 @@ def start_from_anchor(engine: Any) -> None:
     clock = dataclasses.replace(engine.progress)
     if not clock.warmup_done:
         return  # the warm-up: the live tensors are the global model, the anchor is taken at its end
-    engine.progress.round_step = 0  # no partial round: finalize runs no boundary
+    engine.progress.round = engine.progress.round_step = 0  # no round under way: finalize runs no boundary
     engine.finalize()  # nothing in flight after a load: D applied, offsets cleared, live <- anchor
     engine.progress = clock
 
