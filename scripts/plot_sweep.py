@@ -51,7 +51,8 @@ def load(paths: list[Path]) -> dict[tuple, list[dict]]:
 
 def table(runs: dict[tuple, list[dict]]) -> str:
     rows = [
-        "| model | steps | tau | config | final val loss (mean) | spread (min-max) | seeds | vs SlowMo | vs best sync | vs dp |",
+        "| model | steps | tau | config | final val loss (mean) | spread (min-max) | seeds | vs SlowMo "
+        "| vs best sync | vs dp |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 

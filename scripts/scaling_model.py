@@ -80,7 +80,14 @@ def step_time_s(
 
 
 def fragment_fits(
-    compute_s: float, params: float, bandwidth_bps: float, workers: int, *, tau: int, fragments: int, latency_s: float = 0.0
+    compute_s: float,
+    params: float,
+    bandwidth_bps: float,
+    workers: int,
+    *,
+    tau: int,
+    fragments: int,
+    latency_s: float = 0.0,
 ) -> bool:
     """Whether one fragment's all-reduce, latency included, lands within its tau / F steps."""
     comm = ring_allreduce_s(params * 4 / fragments, workers, bandwidth_bps) + 2 * (workers - 1) * latency_s

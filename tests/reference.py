@@ -37,7 +37,7 @@ def fragment_masks(
     if fsdp:
         local = {n: _fsdp_positions(t, worker_size) for n, t in tensors.items()}  # (rank, local index)
         sizes = [0] * worker_size
-        for name, (rank, index) in local.items():
+        for rank, index in local.values():
             index += torch.tensor(sizes)[rank]
             for j in range(worker_size):
                 sizes[j] += int((rank == j).sum())

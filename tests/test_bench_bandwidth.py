@@ -177,6 +177,9 @@ def test_link_bytes_per_round_and_their_prediction_by_hand():
     size = 4 * sm.gpt2_params(plan.MODELS["tiny"])
     assert line["link_tx_predicted_bytes_per_round"] == round(size)  # 2 (2-1)/2 x S: k rings of S/k
     assert analysis.predicted_link_bytes("co2", block) == pytest.approx(1.5 * size)  # one ring of 4 ranks
+    # streaming: S per round, plus finalize's boundaries of tau - 1 fragments spread over the rounds
+    stream = plan.Run("co2_stream", tau=12, rounds=5)
+    assert analysis.predicted_link_bytes("co2_stream", block, stream) == pytest.approx(1.5 * size * (1 + 11 / 60))
 
 
 @pytest.mark.timeout(90)

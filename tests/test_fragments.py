@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, sim_task
 
 from co2_hf import CO2Config
 from co2_hf.core import CO2
@@ -39,18 +39,15 @@ GOLDEN = {
         dict(co2_comm_dtype="bfloat16", co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"),
         "407ff40269dafe5d",
     ),
-    "warmup_eager_w": (dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5), "9efa733ae22b26c1"),
+    "warmup_eager_w": (
+        dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5),
+        "9efa733ae22b26c1",
+    ),
 }
 
 
 def _task() -> Task:
-    return Task(
-        build_model=lambda seed: TinyNet(seed=seed),
-        build_optimizer=make_optimizer,
-        batch=lambda worker, step: (worker, step),
-        loss=lambda model, ws: loss_on(model, *ws),
-        evaluate=lambda model, params: 0.0,
-    )
+    return sim_task()
 
 
 def _digest(engines: list[CO2]) -> str:
@@ -89,7 +86,9 @@ class Workers:
         self.optimizers = [make_optimizer(m) for m in self.models]
         self.pool = ThreadPoolExecutor(workers)
         self.engines = self._each(
-            lambda i: CO2(self.models[i], config, optimizer=self.optimizers[i], communicator=self.network.communicator(i))
+            lambda i: CO2(
+                self.models[i], config, optimizer=self.optimizers[i], communicator=self.network.communicator(i)
+            )
         )
         for i, state in enumerate(saved or []):
             self.models[i].load_state_dict(state["model"])
@@ -169,8 +168,8 @@ def test_format_1_checkpoints_of_one_fragment_still_load():
         co2 = state["co2"]
         (fragment,) = co2.pop("fragments")
         counters = {**co2["counters"], **fragment["counters"]}
-        for new, old in (("consecutive_skipped", "_consecutive_skipped"), ("have_d", "_have_d"), ("sent_round", "_sent_round")):
-            counters[old] = counters.pop(new)
+        for new in ("consecutive_skipped", "have_d", "sent_round"):  # then named like private attributes
+            counters["_" + new] = counters.pop(new)
         del co2["config"]["co2_fragments"]
         co2.update(format=1, buffer=fragment["buffer"], own_outer_grad=fragment["own_outer_grad"], counters=counters)
     resumed = Workers(config, workers=2, saved=saved)
@@ -218,7 +217,7 @@ def test_fragments_send_bfloat16_on_the_wire_and_stay_close_to_float32():
         sent = []
         for engine in run.engines:
             launch = engine.comm.launch
-            engine.comm.launch = lambda t, launch=launch: sent.append(t.dtype) or launch(t)
+            engine.comm.launch = lambda t, launch=launch, sent=sent: sent.append(t.dtype) or launch(t)
         run.train(0, 14)
         finals[dtype] = run.finish()[0]
         assert set(sent) == {getattr(torch, dtype)} and len(sent) >= 2 * 7  # a fragment every 2 steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_processes
-from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, train_engine
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, sim_task, train_engine
 
 from co2_hf import CO2Config
 from scripts.sim import Task, train_simulated
@@ -19,13 +19,7 @@ STEPS = 14
 
 
 def _task() -> Task:
-    return Task(
-        build_model=lambda seed: TinyNet(seed=seed),
-        build_optimizer=make_optimizer,
-        batch=lambda worker, step: (worker, step),
-        loss=lambda model, ws: loss_on(model, *ws),
-        evaluate=_checksum,
-    )
+    return sim_task(evaluate=_checksum)
 
 
 def _checksum(model, params) -> float:

@@ -353,3 +353,16 @@ def hierarchical_resume(rank: int, world: int, cfg_kwargs: dict, path: str) -> d
     train_steps(model, optimizer, co2, rank, 6, 14)
     co2.finalize()
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def sim_task(evaluate=lambda model, params: 0.0):
+    """TinyNet on worker w's batch of step s, as a task of the simulation harness (scripts/sim.py)."""
+    from scripts.sim import Task
+
+    return Task(
+        build_model=lambda seed: TinyNet(seed=seed),
+        build_optimizer=make_optimizer,
+        batch=lambda worker, step: (worker, step),
+        loss=lambda model, ws: loss_on(model, *ws),
+        evaluate=evaluate,
+    )

@@ -74,7 +74,7 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
     if tx and all(t is not None for t in tx):  # every rank of a node reads the node's one counter
         per_node = [tx[n * block.ranks_per_node] for n in range(block.nodes)]
         line["link_tx_bytes_per_round"] = round(statistics.fmean(per_node) / run.rounds)
-        line["link_tx_predicted_bytes_per_round"] = round(predicted_link_bytes(run.method, block))
+        line["link_tx_predicted_bytes_per_round"] = round(predicted_link_bytes(run.method, block, run))
     exposed, hidden = 0.0, None
     if run.method in CO2_SETTINGS:
         waits = [max(w) for w in zip(*(r["waits"][1:-1] for r in per_rank))]  # max over ranks per round
@@ -96,16 +96,22 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
     return line
 
 
-def predicted_link_bytes(method: str, block: Block) -> float:
+def predicted_link_bytes(method: str, block: Block, run: Run | None = None) -> float:
     """Bytes a node sends over its link per round (per step for ddp), for fp32 ring all-reduces of
     the model's size S: a ring of R members makes every hop carry 2 (R-1)/R x S, and a ring over
     all ranks in node order leaves each node through one hop. With one worker per node
-    (co2_node), k rings of one rank per node each carry S/k, and all k leave the node."""
+    (co2_node), k rings of one rank per node each carry S/k, and all k leave the node. Streaming
+    (co2_stream, F = tau fragments) sends S per round too, but the counter also holds the end of the
+    run: ``finalize()`` runs the boundary of the F - 1 fragments that took steps since theirs, one
+    more (F - 1)/F of S over the run's rounds."""
     if method == "no_comm":
         return 0.0
     size = 4 * gpt2_params(MODELS[block.model])
     members = block.nodes if method == "co2_node" else block.ranks
-    return 2 * (members - 1) / members * size
+    per_round = 2 * (members - 1) / members * size
+    if method == "co2_stream" and run is not None:
+        per_round *= 1 + (run.tau - 1) / (run.tau * run.rounds)
+    return per_round
 
 
 def _limit_for(i: int, block: Block, per_step: list[float | None]) -> float | None:
