@@ -12,7 +12,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
 from workers import SPEC_DEFAULTS
 
 from co2_hf import CO2, CO2Config
@@ -76,7 +75,8 @@ def _engine(rank: int, **cfg) -> tuple[nn.Module, torch.optim.Optimizer, CO2, Re
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     comm = RecordingCommunicator(ProcessGroupCommunicator(group))
-    co2 = CO2(model, CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": TAU, **cfg}), optimizer=optimizer, communicator=comm)
+    config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": TAU, **cfg})
+    co2 = CO2(model, config, optimizer=optimizer, communicator=comm)
     return model, optimizer, co2, comm
 
 
@@ -194,7 +194,8 @@ def _fault(co2: CO2, signame: str, marker: str, when: str) -> None:
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(0.01)
     in_flight = not work.is_completed()
-    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": co2.fragments[0].progress.sent_round}
+    sent_round = co2.fragments[0].progress.sent_round
+    fault = {"at": time.time(), "signal": signame, "in_flight": in_flight, "all_reduce_round": sent_round}
     with open(marker + ".tmp", "w") as f:
         json.dump(fault, f)
     os.replace(marker + ".tmp", marker)

@@ -264,4 +264,5 @@ def test_the_round_schedule_says_what_is_due_after_each_step():
 def test_fragments_have_no_penalty_since_no_fragment_update_is_stale():
     layout = FlatLayout(_module(w=3))
     assert type(make_penalty(CO2Config(co2_gap_penalty=1.0), layout, torch.device("cpu"))) is NoPenalty
-    assert type(make_penalty(CO2Config(co2_gap_penalty=1.0, co2_fragments=1), layout, torch.device("cpu"))) is GapAwarePenalty
+    one = CO2Config(co2_gap_penalty=1.0, co2_fragments=1)
+    assert type(make_penalty(one, layout, torch.device("cpu"))) is GapAwarePenalty
