@@ -106,24 +106,7 @@ class CO2:
         zeros = dict(dtype=torch.float32, device=device, pin_memory=pinned)
         self._anchor = torch.zeros(n, **zeros)
         self._momentum = torch.zeros(n, **zeros)
-        clip_scales = _clip_scales(self.layout, comm, cfg, device)
-        self.fragments = []
-        for f, scale in enumerate(clip_scales):
-            part = self.layout.fragment(f)
-            lo, hi = self.layout.fragment_edges[f], self.layout.fragment_edges[f + 1]
-            self.fragments.append(
-                Phases(
-                    cfg,
-                    comm=comm,
-                    layout=part,
-                    anchor=self._anchor[lo:hi],
-                    momentum=self._momentum[lo:hi],
-                    num_workers=self.num_workers,
-                    optimizer=optimizer,
-                    pin_memory=pinned,
-                    clip_scale=scale,
-                )
-            )
+        self.fragments = self._make_fragments(optimizer, pinned)
         warn_about_start_rule(cfg)
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
         self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
@@ -132,6 +115,27 @@ class CO2:
         self._events = {Event.APPLY_IN_ROUND: self._apply_in_round, Event.BOUNDARY: self._boundary}
         self._boundary_phases = self._overlapped_boundary if cfg.co2_overlap else self._synchronous_boundary
         self._take_anchor()
+
+    def _make_fragments(self, optimizer: torch.optim.Optimizer | None, pinned: bool) -> list[Phases]:
+        """One `Phases` per fragment, on its slice of the anchor and the momentum (one in all, the
+        whole shard, without fragments)."""
+        edges, parts = self.layout.fragment_edges, []
+        for f, scale in enumerate(_clip_scales(self.layout, self.comm, self.config, self.device)):
+            lo, hi = edges[f], edges[f + 1]
+            parts.append(
+                Phases(
+                    self.config,
+                    comm=self.comm,
+                    layout=self.layout.fragment(f),
+                    anchor=self._anchor[lo:hi],
+                    momentum=self._momentum[lo:hi],
+                    num_workers=self.num_workers,
+                    optimizer=optimizer,
+                    pin_memory=pinned,
+                    clip_scale=scale,
+                )
+            )
+        return parts
 
     # ------------------------------------------------------------------ public API
 
