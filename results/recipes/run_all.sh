@@ -52,3 +52,5 @@ $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 \
 # GPT: streaming CO2 (the library's defaults since fragments: co2_fragments = tau, lookahead start,
 # beta 0.2) beside local SGD (the better synchronous method at 300 steps), 3 seeds, one invocation
 $C --recipe gpt --methods local_sgd --max_steps 300 --seeds 0 1 2 --out $R/gpt_stream --method "co2_stream="
+# GPT: streaming CO2 (the defaults) at 2000 steps, seed 0, beside the rows of gpt_2000 above
+$C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_stream=" -- --eval_steps 200
