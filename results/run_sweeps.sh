@@ -34,3 +34,5 @@ $S --steps 2400 --eval_every 200 --seeds 0 --configs f12_look_b2 f12_look_b5 --o
 # the finalist (the defaults: co2_fragments = tau, lookahead start, beta 0.2), seeds 1 and 2 at both budgets
 $S --steps 2400 --eval_every 200 --seeds 1 2 --configs f12_look_b2 --out results/finalists_micro_2400_fragments.jsonl
 $S --steps 600 --seeds 1 2 --jobs 1 --configs f12_look_b2 --out results/finalists_micro_600_fragments.jsonl
+# streaming with the eager start and beta 0, seeds 1 and 2 at 600 steps
+$S --steps 600 --seeds 1 2 --jobs 1 --configs f12_eager_b0 --out results/finalists_micro_600_fragments.jsonl
