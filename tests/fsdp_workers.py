@@ -233,7 +233,9 @@ def trainer_fsdp_elastic(rank: int, world: int, saved: str, out: str) -> dict:
     from co2_hf import CO2Trainer
 
     _env(rank, world)
-    fsdp = dict(co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager", fsdp="full_shard")
+    fsdp = dict(
+        co2_worker_size=2, optim="sgd", learning_rate=0.1, co2_start_rule="eager", co2_fragments=1, fsdp="full_shard"
+    )  # the settings of the checkpoint (trainer_fsdp_suite's)
     begin = _AtTrainBegin()
     trainer = CO2Trainer(
         model=tiny_gpt2(), args=make_args(out, co2_elastic=True, **fsdp), train_dataset=dataset(), callbacks=[begin]

@@ -344,7 +344,8 @@ def test_one_json_file_of_arguments_keeps_the_recipe_defaults(tmp_path):
     path.write_text(json.dumps({"output_dir": str(tmp_path), "max_steps": 7, "model_name_or_path": "gpt2"}))
     model_args, _, training_args = pretrain_gpt.parse([str(path)])
     assert model_args.model_name_or_path == "gpt2" and training_args.max_steps == 7
-    assert training_args.learning_rate == 1e-3 and training_args.co2_start_rule == "eager"  # recipe defaults
+    # the recipe's defaults, and the library's CO2 defaults (the recipes no longer override them)
+    assert training_args.learning_rate == 1e-3 and training_args.co2_start_rule == "lookahead"
     path.write_text(json.dumps({"output_dir": str(tmp_path), "image_column_name": "img"}))
     _, data_args, training_args = finetune_vit.parse([str(path)])
     assert data_args.image_column_name == "img" and training_args.co2_local_steps == 2
