@@ -349,6 +349,7 @@ def test_one_json_file_of_arguments_keeps_the_recipe_defaults(tmp_path):
     path.write_text(json.dumps({"output_dir": str(tmp_path), "image_column_name": "img"}))
     _, data_args, training_args = finetune_vit.parse([str(path)])
     assert data_args.image_column_name == "img" and training_args.co2_local_steps == 2
+    assert (training_args.co2_fragments, training_args.co2_start_rule) == (1, "eager")  # its own measurement
 
 
 @pytest.mark.timeout(30)

@@ -54,3 +54,10 @@ $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 \
 $C --recipe gpt --methods local_sgd --max_steps 300 --seeds 0 1 2 --out $R/gpt_stream --method "co2_stream="
 # GPT: streaming CO2 (the defaults) at 2000 steps, seed 0, beside the rows of gpt_2000 above
 $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_stream=" -- --eval_steps 200
+# ViT: streaming (the library's defaults at the recipe's tau 2: 2 fragments, lookahead start) and, side
+# by side, full overlap with the eager start and streaming with the eager start; 5 seeds. (They ran
+# while the recipe used the library's defaults; the flags pin what each ran. The ViT recipe now keeps
+# full overlap with the eager start, the best of the three.)
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream --method "co2_stream=--co2_fragments 2 --co2_start_rule lookahead"
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream \
+  --method "co2_full_eager=--co2_fragments 1 --co2_start_rule eager" --method "co2_stream_eager=--co2_fragments 2 --co2_start_rule eager"
