@@ -120,13 +120,14 @@ class CO2:
         """One `Phases` per fragment, on its slice of the anchor and the momentum (one in all, the
         whole shard, without fragments)."""
         edges, parts = self.layout.fragment_edges, []
-        for f, scale in enumerate(_clip_scales(self.layout, self.comm, self.config, self.device)):
+        layouts = [self.layout.fragment(f) for f in range(len(edges) - 1)]
+        for f, scale in enumerate(_clip_scales(layouts, self.comm, self.config, self.device)):
             lo, hi = edges[f], edges[f + 1]
             parts.append(
                 Phases(
                     self.config,
                     comm=self.comm,
-                    layout=self.layout.fragment(f),
+                    layout=layouts[f],
                     anchor=self._anchor[lo:hi],
                     momentum=self._momentum[lo:hi],
                     num_workers=self.num_workers,
@@ -280,10 +281,10 @@ class CO2:
             if self.schedule.steps_since_boundary(f, p.round, p.round_step) > 0:
                 self._boundary(part)
         # with a window (or fragments) nothing moved the anchor since the base of this D
-        penalty_of = (lambda part: part.penalty) if self.config.window_steps is None else (lambda part: FRESH)
+        stale = self.config.window_steps is None
         for part in self.fragments:
             part._drain()
-            part._direction(penalty_of(part))
+            part._direction(part.penalty if stale else FRESH)
             part._apply()
             part.start.clear_()
             part._anchor_news = False
@@ -441,15 +442,15 @@ def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, ch
     return num_workers, layout
 
 
-def _clip_scales(layout: FlatLayout, comm: Communicator, cfg: CO2Config, device: torch.device) -> list[float]:
-    """Per fragment, ``sqrt`` of its share of the worker's parameters: clipping each fragment's
-    momentum to ``phi`` times it bounds the whole momentum's norm by ``phi``. 1 for one fragment;
-    the shares are summed over the worker's processes (one collective) only when clipping."""
-    if cfg.fragments == 1 or cfg.co2_clip_threshold is None:
-        return [1.0] * cfg.fragments
-    local = [float(layout.fragment(f).param_local) for f in range(cfg.fragments)]
+def _clip_scales(layouts: list[FlatLayout], comm: Communicator, cfg: CO2Config, device: torch.device) -> list[float]:
+    """Per fragment (``layouts``), ``sqrt`` of its share of the worker's parameters: clipping each
+    fragment's momentum to ``phi`` times it bounds the whole momentum's norm by ``phi``. 1 for one
+    fragment; the shares are summed over the worker's processes (one collective) only when clipping."""
+    if len(layouts) == 1 or cfg.co2_clip_threshold is None:
+        return [1.0] * len(layouts)
+    local = [float(part.param_local) for part in layouts]
     counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
-    return [math.sqrt(float(c) / max(layout.total_param_numel, 1)) for c in counts]
+    return [math.sqrt(float(c) / max(layouts[0].total_param_numel, 1)) for c in counts]
 
 
 def _combine(name: str, values: list[float]) -> float:

@@ -226,9 +226,11 @@ class FragmentLayout(FlatLayout):
     hi: int
 
     def shard_chunks(self, shard_index: int) -> list[Chunk]:
+        # this process's own chunks are built already; another shard's (an all-gather's) afresh
+        whole = self.whole.chunks if shard_index == self.whole.shard_index or not self.gathers else None
         return [
             replace(c, start=c.start - self.lo, stop=c.stop - self.lo, param_stop=c.param_stop - self.lo)
-            for c in self.whole.shard_chunks(shard_index)
+            for c in (whole if whole is not None else self.whole.shard_chunks(shard_index))
             if self.lo <= c.start < self.hi
         ]
 
