@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 START_RULES = ("anchor", "eager", "lookahead")
 PENALTY_MODES = ("gap_aware", "constant")
-COMM_DTYPES = ("float32", "bfloat16")
+COMM_DTYPES = ("float32", "bfloat16", "int8", "int4")
+QUANT_ROUNDINGS = ("nearest", "stochastic")
+CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
 STATE_DEVICES = ("same", "cpu")
 
 # The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
@@ -81,8 +83,21 @@ class CO2Config:
     co2_clip_threshold: float | None = _knob(
         None, "phi > 0: clip the global L2 norm of the outer momentum to phi; unset: no clipping."
     )
-    co2_comm_dtype: Literal["float32", "bfloat16"] = _knob(
-        "float32", "Dtype of the outer all-reduce on the wire; outer state stays float32."
+    co2_comm_dtype: Literal["float32", "bfloat16", "int8", "int4"] = _knob(
+        "float32",
+        "What the outer all-reduce sends: 'float32', 'bfloat16', or block-quantized codes with "
+        "error feedback, 'int8' (about 0.26x the bytes of float32) or 'int4' (about 0.13x). Outer "
+        "state stays float32.",
+    )
+    co2_quant_block: int = _knob(
+        128,
+        "With co2_comm_dtype int8/int4: values per quantization block, each block with one float32 "
+        "scale (an even integer >= 2; smaller blocks are more exact and send more scales).",
+    )
+    co2_quant_rounding: Literal["nearest", "stochastic"] = _knob(
+        "nearest",
+        "With co2_comm_dtype int8/int4: round each value to the 'nearest' code or 'stochastic'ally "
+        "(unbiased). Error feedback carries what rounding leaves out to the next round either way.",
     )
     co2_sync_warmup_steps: int = _knob(
         0, "Inner steps of plain data parallel (gradients averaged every step) before local updating."
@@ -115,6 +130,8 @@ class CO2Config:
         _check_int(self, "co2_sync_warmup_steps", minimum=0)
         _check_int(self, "co2_worker_size", minimum=1)
         _check_int(self, "co2_max_skipped_rounds", minimum=0)
+        _check_int(self, "co2_quant_block", minimum=2)
+        _check("co2_quant_block", self.co2_quant_block, self.co2_quant_block % 2 == 0, "an even integer >= 2")
         alpha = self.co2_outer_lr
         _check("co2_outer_lr", alpha, _is_real(alpha) and alpha > 0, "a finite number > 0")
         beta = self.co2_outer_momentum
@@ -159,6 +176,7 @@ class CO2Config:
             ("co2_start_rule", START_RULES),
             ("co2_gap_penalty_mode", PENALTY_MODES),
             ("co2_comm_dtype", COMM_DTYPES),
+            ("co2_quant_rounding", QUANT_ROUNDINGS),
             ("co2_state_device", STATE_DEVICES),
         ):
             value = getattr(self, name)
@@ -189,6 +207,11 @@ class CO2Config:
         if self.co2_overlap_steps is not None or not self.co2_overlap:
             return 1
         return self.co2_local_steps
+
+    @property
+    def code_bits(self) -> int | None:
+        """Bits per value of a quantized wire (8 or 4); None for float32 and bfloat16."""
+        return CODE_BITS.get(self.co2_comm_dtype)
 
     @property
     def window_steps(self) -> int | None:

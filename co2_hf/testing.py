@@ -78,6 +78,9 @@ class DelayedCommunicator(Communicator):
     def launch(self, tensor: Tensor) -> Pending:
         return self.inner.launch(tensor)
 
+    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
+        return self.inner.launch_coded(tensor, reduce_)
+
     def wait(self, pending: Pending, timeout_s: float) -> None:
         self.inner.wait(pending, timeout_s)
         due = pending.launched_at + self.delay_s

@@ -36,3 +36,7 @@ $S --steps 2400 --eval_every 200 --seeds 1 2 --configs f12_look_b2 --out results
 $S --steps 600 --seeds 1 2 --jobs 1 --configs f12_look_b2 --out results/finalists_micro_600_fragments.jsonl
 # streaming with the eager start and beta 0, seeds 1 and 2 at 600 steps
 $S --steps 600 --seeds 1 2 --jobs 1 --configs f12_eager_b0 --out results/finalists_micro_600_fragments.jsonl
+# the wire (issue 17): CO2Config() with fp32 (reproduces f12_look_b2 above), bf16, int8 and int4
+# codes (rounded to nearest or stochastically; blocks of 128 or 32): 600-step screen, seed 0 ...
+$S --steps 600 --seeds 0 --out results/screen_micro_600_wire.jsonl --configs co2 co2_int8 co2_int8_sr \
+  co2_int4 co2_int4_sr co2_int8_b32 co2_int4_b32 co2_bf16

@@ -82,16 +82,43 @@ class SimulatedCommunicator(Communicator):
         self.network.deposit(pending.work, self.worker_index, tensor)
         return pending
 
+    def launch_coded(self, tensor: Tensor, reduce_) -> Pending:
+        # the coded all-reduce runs at the wait, in the worker's own thread: every worker waits for
+        # its launches in the same order, so the collectives inside it meet as on a process group
+        return Pending(tensor, work=("coded", reduce_))
+
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
-        parts = self.network.collect(pending.work, timeout_s)
-        pending.tensor.copy_(torch.stack(parts).sum(0))
+        if pending.work[0] == "coded":
+            pending.work[1](SimulatedCollectives(self))
+        else:
+            parts = self.network.collect(pending.work, timeout_s)
+            pending.tensor.copy_(torch.stack(parts).sum(0))
         pending.completed_at.append(time.perf_counter())
 
     def all_reduce_(self, tensor: Tensor) -> None:
         key = self._key("all_reduce")
         self.network.deposit(key, self.worker_index, tensor)
         tensor.copy_(torch.stack(self.network.collect(key, 60)).sum(0))
+
+
+class SimulatedCollectives:
+    """The all-to-all and all-gather of `co2_hf.core.quant.Collectives` between simulated workers."""
+
+    def __init__(self, comm: SimulatedCommunicator) -> None:
+        self.comm, self.world_size, self.rank = comm, comm.num_workers, comm.worker_index
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
+        parts = self._exchange("all_to_all", input)
+        output.copy_(torch.cat([part.view(self.world_size, -1)[self.rank] for part in parts]))
+
+    def all_gather_(self, output: Tensor, input: Tensor) -> None:
+        output.copy_(torch.cat(self._exchange("all_gather", input)))
+
+    def _exchange(self, kind: str, tensor: Tensor) -> list[Tensor]:
+        key = self.comm._key(kind)
+        self.comm.network.deposit(key, self.rank, tensor)
+        return self.comm.network.collect(key, 60)
 
 
 @dataclass

@@ -108,6 +108,19 @@ CONFIGS.update(
 )
 CONFIGS = {name: None if knobs is None else {**SPEC_DEFAULTS, **knobs} for name, knobs in CONFIGS.items()}
 CONFIGS["co2"] = {}
+# CO2Config() with another wire: bf16, and block-quantized codes with error feedback (core/quant.py),
+# rounded to the nearest code or stochastically ("_sr"), in blocks of 128 values or of b{block}
+CONFIGS.update(
+    {
+        "co2_bf16": dict(co2_comm_dtype="bfloat16"),
+        "co2_int8": dict(co2_comm_dtype="int8"),
+        "co2_int8_sr": dict(co2_comm_dtype="int8", co2_quant_rounding="stochastic"),
+        "co2_int8_b32": dict(co2_comm_dtype="int8", co2_quant_block=32),
+        "co2_int4": dict(co2_comm_dtype="int4"),
+        "co2_int4_sr": dict(co2_comm_dtype="int4", co2_quant_rounding="stochastic"),
+        "co2_int4_b32": dict(co2_comm_dtype="int4", co2_quant_block=32),
+    }
+)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,9 +33,11 @@ def quantized_rounds(rank: int, world: int, bits: int, rounds: int) -> dict:
         x = vector(rank, t, numel)
         every = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(every, x)
-        got = quantized_all_reduce_(x.clone(), bits=bits, block=BLOCK, sent=sent, owned=owned)
+        header = torch.tensor([1.0, 0.0, 1.0, 0.25 * rank + t])  # summed exactly, beside the codes
+        got = quantized_all_reduce_(x.clone(), bits=bits, block=BLOCK, sent=sent, owned=owned, exact=header)
         expected = _reference(every, ref_sent, ref_owned, bits)
-        results.append({"got": got, "expected": expected})
+        exact_header = torch.tensor([world, 0.0, world, 0.25 * sum(range(world)) + world * t])
+        results.append({"got": got, "expected": expected, "header": header, "exact_header": exact_header})
         exact_sums.append(torch.stack(every).sum(0))
     return {"rounds": results, "exact": exact_sums, "owned_residual": owned.residual, "sent_residual": sent.residual}
 
@@ -55,3 +57,38 @@ def _reference(every: list[torch.Tensor], ref_sent, ref_owned, bits: int) -> tor
     return torch.cat(slices)
 
 
+def engine_over_the_wire(rank: int, world: int, dtypes: tuple[str, ...], steps: int) -> dict:
+    """The engine on TinyNet over gloo for each wire type (streaming defaults, tau 4): its anchors,
+    and the names of the threads that ran the coded collectives (they must stay off the main one)."""
+    import threading
+
+    from workers import train_engine
+
+    from co2_hf.core import quant
+
+    threads: list[str] = []
+    original = quant.GroupCollectives.all_to_all_
+
+    def recorded(self, output, input):
+        threads.append(threading.current_thread().name)
+        original(self, output, input)
+
+    quant.GroupCollectives.all_to_all_ = recorded
+    try:
+        runs = {
+            dtype: train_engine(rank, world, dict(co2_local_steps=4, co2_comm_dtype=dtype, co2_quant_block=8), steps)
+            for dtype in dtypes
+        }
+    finally:
+        quant.GroupCollectives.all_to_all_ = original
+    return {"runs": runs, "threads": sorted(set(threads)), "main": threading.main_thread().name}
+
+
+def hierarchical_over_the_wire(rank: int, world: int, steps: int) -> dict:
+    """Workers of 2 processes (co2_worker_size=2) with int8 on the wire: each process sums its own
+    slice of the outer gradient through codes."""
+    from workers import train_hierarchical
+
+    return train_hierarchical(
+        rank, world, dict(co2_local_steps=4, co2_worker_size=2, co2_comm_dtype="int8", co2_quant_block=8), steps
+    )

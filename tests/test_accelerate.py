@@ -87,7 +87,8 @@ def test_independent_replicas_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="does not support Accelerate's DEEPSPEED"):
         _check_launch(deepspeed, CO2Config())
     fsdp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP)
-    with pytest.raises(ValueError, match=r"FSDP: it shards across every process.*worker_mesh\(k, timeout_s=co2_timeout_s\)"):
+    refusal = r"FSDP: it shards across every process.*worker_mesh\(k, timeout_s=co2_timeout_s\)"
+    with pytest.raises(ValueError, match=refusal):
         _check_launch(fsdp, CO2Config())
 
 

@@ -2,6 +2,7 @@
 namespace plan in a dry run (no root), tear-down on failure, where each rank runs (CPU or one GPU per
 rank), the steady-state summary, a loopback smoke run, and the model's formulas."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -180,6 +181,32 @@ def test_link_bytes_per_round_and_their_prediction_by_hand():
     # streaming: S per round, plus finalize's boundaries of tau - 1 fragments spread over the rounds
     stream = plan.Run("co2_stream", tau=12, rounds=5)
     assert analysis.predicted_link_bytes("co2_stream", block, stream) == pytest.approx(1.5 * size * (1 + 11 / 60))
+    # codes: one byte (int8) or half of one (int4) per value, plus a 4-byte scale per 128 values
+    for wire, per_value in (("int8", 1 + 4 / 128), ("int4", 0.5 + 4 / 128), ("bfloat16", 2.0)):
+        coded = plan.Run("co2", tau=12, rounds=5, wire=wire)
+        assert analysis.predicted_link_bytes("co2", block, coded) == pytest.approx(1.5 * size * per_value / 4)
+
+
+@pytest.mark.timeout(10)
+def test_the_table_gives_each_wire_type_a_row_and_its_bytes_against_float32():
+    common = {"rate": "100mbit", "ranks": 2, "model": "small", "allreduce_alone_s": 3.5, "load_1m": 1.0}
+    run = {"time_per_step_s": 0.5, "tokens_per_s": 970.0, "rel_to_limit": 0.9, "exposed_comm_per_round_s": 0.0}
+    lines = [
+        {**common, **run, "method": "co2", "tau": 4, "wire": wire, "hidden_frac": 1.0, "link_tx_bytes_per_round": b}
+        for wire, b in (("float32", 4000), ("int8", 1032))
+    ]
+    rows = analysis.markdown_table(lines).splitlines()
+    assert "| co2 | float32 | 4 |" in rows[2] and "| 1.000 |" in rows[2]
+    assert "| co2 | int8 | 4 |" in rows[3] and "| 0.258 |" in rows[3]
+
+
+def test_wires_make_one_run_per_wire_type_and_bad_ones_are_refused(capsys):
+    args = cli.parse_args(["--rates", "100mbit", "--taus", "4", "--methods", "no_comm,co2", "--wires", "float32,int8"])
+    (block,) = plan.build_plan(argparse.Namespace(**{**vars(args), "extras": False}))
+    assert [(r.method, r.wire) for r in block.runs if r.method != "no_comm"] == [("co2", "float32"), ("co2", "int8")]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--wires", "int3"])
+    assert "--wires must be among float32, bfloat16, int8, int4" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(90)
@@ -231,7 +258,7 @@ def test_markdown_table_lists_the_methods_only():
         {**common, **run, "method": "co2", "tau": 12, "hidden_frac": 1.0},
     ]
     rows = analysis.markdown_table(lines).splitlines()
-    assert len(rows) == 3 and rows[2].startswith("| 100mbit | 2 | small | co2 | 12 | 0.500 | 970 | **0.78** |")
+    assert len(rows) == 3 and rows[2].startswith("| 100mbit | 2 | small | co2 | - | 12 | 0.500 | 970 | **0.78** |")
     assert rows[2].endswith("| 1 |")
     repeated = [*lines, {**lines[2], "rel_to_limit": 0.90}, {**lines[2], "rel_to_limit": 0.95}]
     rows = analysis.markdown_table(repeated).splitlines()  # repeats of a cell: one row, the median

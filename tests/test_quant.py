@@ -1,14 +1,19 @@
-"""Block quantization for the wire (co2_hf.core.quant): round-trip error bounds, unbiased stochastic
-rounding, error feedback that loses nothing over rounds, and the quantized all-reduce against a
-naive reference of the same quantizer on 2 and 3 gloo processes."""
+"""Block quantization for the wire (co2_hf.core.quant, ``co2_comm_dtype`` int8/int4): round-trip
+error bounds, unbiased stochastic rounding, error feedback that loses nothing over rounds, the
+quantized all-reduce against a naive reference of the same quantizer on 2 and 3 gloo processes,
+and the engine with a coded wire: over gloo (2 and 3 workers, workers of 2 processes), off the main
+thread, resumed bit for bit with its residuals, with a non-finite worker."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from quant_workers import quantized_rounds_every_width
+from quant_workers import engine_over_the_wire, hierarchical_over_the_wire, quantized_rounds_every_width
+from test_fragments import Workers
+from workers import reference_hierarchical
 
-from co2_hf.core.quant import ErrorFeedback, coded_nbytes, dequantize, quantize
+from co2_hf import CO2Config
+from co2_hf.core.quant import ErrorFeedback, coded_nbytes, dequantize, padded_numel, quantize, quantized_all_reduce_
 from co2_hf.testing import run_processes
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,8 +51,10 @@ def test_stochastic_rounding_is_unbiased(bits):
     x = _x(numel=64 * 4, seed=3)
     g = torch.Generator().manual_seed(0)
     draws = torch.stack(
-        [dequantize(*quantize(x, bits=bits, block=64, stochastic=True, generator=g), bits=bits, block=64)
-         for _ in range(4000)]
+        [
+            dequantize(*quantize(x, bits=bits, block=64, stochastic=True, generator=g), bits=bits, block=64)
+            for _ in range(4000)
+        ]
     )
     _, scales = quantize(x, bits=bits, block=64, stochastic=False)
     step = scales.repeat_interleave(64)
@@ -97,6 +104,118 @@ def test_quantized_all_reduce_equals_the_naive_reference_bitwise_on_every_rank(r
         for rank in range(world):
             assert torch.equal(runs[rank]["rounds"][t]["got"], expected), (rank, t)
             assert torch.equal(runs[rank]["rounds"][t]["expected"], expected)  # the reference agrees too
+            assert torch.equal(runs[rank]["rounds"][t]["header"], runs[rank]["rounds"][t]["exact_header"])
         exact = runs[0]["exact"][t]
         err = (expected - exact).abs().max() / exact.abs().max()
         assert err < (0.05 if bits == 8 else 0.6), err  # a sum through codes, near the true sum
+
+
+def test_any_length_is_coded_zero_padded_to_whole_blocks_per_rank():
+    assert padded_numel(100, world=3, block=8) == 120 and padded_numel(120, world=3, block=8) == 120
+
+    class One:  # a world of one rank: the collectives copy
+        world_size, rank = 1, 0
+
+        def all_to_all_(self, output, input):
+            output.copy_(input)
+
+        all_gather_ = all_to_all_
+
+    x = _x(numel=64 * 3)[:150]
+    got = quantized_all_reduce_(x.clone(), One(), bits=8, block=64)
+    once = dequantize(*quantize(torch.cat([x, torch.zeros(42)]), bits=8, block=64, stochastic=False), bits=8, block=64)
+    assert got.shape == x.shape
+    assert torch.equal(got, dequantize(*quantize(once, bits=8, block=64, stochastic=False), bits=8, block=64)[:150])
+
+
+# ---------------------------------------------------------------- the engine with a coded wire
+
+WIRES = ("float32", "int8", "int4")
+
+
+@pytest.fixture(scope="module")
+def over_gloo():
+    return {world: run_processes(engine_over_the_wire, world, WIRES, 12) for world in (2, 3)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_coded_wire_agrees_across_ranks_and_stays_near_float32(over_gloo, world):
+    ranks = over_gloo[world]
+    for dtype, tolerance in (("int8", 0.02), ("int4", 0.2)):
+        final = ranks[0]["runs"][dtype]["anchors"][-1]
+        for rank in range(1, world):  # every rank decodes the same codes: bit for bit the same model
+            for got, want in zip(ranks[rank]["runs"][dtype]["anchors"], ranks[0]["runs"][dtype]["anchors"]):
+                assert all(torch.equal(got[k], want[k]) for k in want), (dtype, rank)
+        exact = ranks[0]["runs"]["float32"]["anchors"][-1]
+        for key, value in exact.items():
+            torch.testing.assert_close(final[key], value, rtol=tolerance, atol=tolerance)
+        assert any(not torch.equal(final[k], v) for k, v in exact.items()), dtype  # it was coded
+
+
+def test_the_coded_all_reduce_runs_off_the_main_thread(over_gloo):
+    for rank in over_gloo[2]:
+        assert rank["threads"] == ["co2-coded-all-reduce"] and rank["main"] not in rank["threads"]
+
+
+def test_workers_of_two_processes_each_code_their_own_slice():
+    runs = run_processes(hierarchical_over_the_wire, 4, 12)
+    exact = reference_hierarchical(2, 2, dict(co2_local_steps=4), 12)
+    for rank in range(1, 4):
+        assert all(torch.equal(runs[rank]["anchors"][-1][k], v) for k, v in runs[0]["anchors"][-1].items())
+    for key, value in exact[-1].items():
+        torch.testing.assert_close(
+            runs[0]["anchors"][-1][key], value.to(runs[0]["anchors"][-1][key]), rtol=0.02, atol=0.02
+        )
+
+
+CODED = dict(co2_local_steps=6, co2_fragments=3, co2_comm_dtype="int8", co2_quant_block=8)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_checkpoint_with_residuals_and_a_fragment_in_flight_resumes_bit_for_bit(rounding):
+    config = CO2Config(co2_quant_rounding=rounding, **CODED)
+    straight = Workers(config)
+    straight.train(0, 20)
+    expected = straight.finish()
+    first = Workers(config)
+    first.train(0, 9)
+    assert first.engines[0]._pending is not None
+    saved = first.save()
+    residuals = saved[0]["co2"]["fragments"][0]["residuals"]
+    assert residuals["sent"].abs().sum() > 0 and residuals["owned"].abs().sum() > 0  # there is state to keep
+    resumed = Workers(config, saved=saved)
+    resumed.train(9, 20)
+    for got, want in zip(resumed.finish(), expected):
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_a_non_finite_worker_sends_zeros_with_weight_0_and_keeps_its_residual(caplog):
+    run = Workers(CO2Config(co2_start_rule="eager", **CODED))
+    run.train(0, 10)
+    poisoned = run.engines[1].fragments[2]  # its boundary, after inner step 12, is the first to see the NaN
+    before = poisoned.codec.sent.residual.clone()
+    run.train(10, 12, poison=(1, 10))
+    assert "worker 1 has a non-finite outer gradient" in caplog.text
+    assert torch.equal(poisoned.codec.sent.residual, before)  # nothing of its own went out
+    run.train(13, 24)
+    final = run.finish()
+    assert run.engines[0].skipped_rounds == 0
+    assert all(torch.isfinite(v).all() for state in final for v in state.values())
+
+
+def test_a_coded_wire_holds_two_residuals_beside_the_outer_state():
+    from workers import TinyNet
+
+    from co2_hf.core import CO2
+    from co2_hf.core.comm import LocalCommunicator
+
+    class TwoWorkers(LocalCommunicator):  # only what the constructor reads: nothing travels here
+        num_workers = 2
+
+    plain = CO2(TinyNet(seed=0), CO2Config(co2_local_steps=6, co2_fragments=3), communicator=TwoWorkers())
+    coded = CO2(TinyNet(seed=0), CO2Config(**CODED), communicator=TwoWorkers())
+    # per fragment: its own residual (the payload padded to whole blocks per worker), and the
+    # residual of the half of the sum it owns
+    residuals = sum(4 * padded_numel(part.layout.shard_numel, world=2, block=8) * 3 // 2 for part in coded.fragments)
+    assert coded.outer_state_nbytes() == plain.outer_state_nbytes() + residuals

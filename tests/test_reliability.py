@@ -46,6 +46,8 @@ BAD_FLAGS = [
     ("co2_gap_penalty_mode", "linear", "choose from"),
     ("co2_clip_threshold", "0", "> 0, or None"),
     ("co2_comm_dtype", "float16", "choose from"),
+    ("co2_quant_block", "7", "an even integer >= 2"),
+    ("co2_quant_rounding", "up", "choose from"),
     ("co2_sync_warmup_steps", "-1", "integer >= 0"),
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),

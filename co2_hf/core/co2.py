@@ -134,6 +134,7 @@ class CO2:
                     optimizer=optimizer,
                     pin_memory=pinned,
                     clip_scale=scale,
+                    index=f,
                 )
             )
         return parts
@@ -343,7 +344,7 @@ class CO2:
     def outer_state_nbytes(self) -> int:
         """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
         tensors = (self._anchor, self._momentum)
-        parts = sum(part.wire.nbytes() + part.start.nbytes() for part in self.fragments)
+        parts = sum(part.wire.nbytes() + part.start.nbytes() + _nbytes(part.codec) for part in self.fragments)
         return sum(t.numel() * t.element_size() for t in tensors) + parts
 
     def pop_metrics(self) -> dict[str, float]:
@@ -371,6 +372,7 @@ class CO2:
                 "buffer": part.wire.fp32,  # with a received D in it when "have_d" is set
                 "own_outer_grad": part.start.offset,  # None under the anchor start rule
                 "counters": to_dict(part.progress),
+                "residuals": None if part.codec is None else part.codec.state(),  # int8/int4 wires
             }
             for part in self.fragments
         ]
@@ -395,6 +397,8 @@ class CO2:
             part.wire.fp32.copy_(kept["buffer"])
             part.start.load_(kept["own_outer_grad"])
             part.progress = from_dict(FragmentProgress, kept["counters"])
+            if part.codec is not None:
+                part.codec.load_(kept["residuals"])
         self.progress = from_dict(Progress, saved["counters"])
 
     @property
@@ -451,6 +455,10 @@ def _clip_scales(layouts: list[FlatLayout], comm: Communicator, cfg: CO2Config, 
     local = [float(part.param_local) for part in layouts]
     counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
     return [math.sqrt(float(c) / max(layouts[0].total_param_numel, 1)) for c in counts]
+
+
+def _nbytes(codec: Any) -> int:
+    return 0 if codec is None else codec.nbytes()
 
 
 def _combine(name: str, values: list[float]) -> float:

@@ -4,6 +4,9 @@ The engine needs five verbs (``docs/algorithm.md``, "Communication"):
 
 - ``broadcast_``: copy tensors from the first rank to every rank (blocking; at start-up);
 - ``launch``: start a SUM all-reduce of the outer buffer across workers and return at once;
+- ``launch_coded``: the same for a buffer summed through codes (``co2_comm_dtype`` int8/int4,
+  ``quant.py``): a blocking reduction handed the outer group's collectives, run off the main
+  thread; return at once;
 - ``wait``: block until a launched all-reduce is done (exactly once per launch);
 - ``all_reduce_``: a blocking SUM over every process (data-parallel warm-up only; under FSDP2, over
   the processes that hold the same shard);
@@ -14,7 +17,11 @@ The engine needs five verbs (``docs/algorithm.md``, "Communication"):
   step, when ``co2_worker_size > 1``).
 
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
-main thread with ``async_op=True``; no Python threads. `LocalCommunicator` is the single-worker
+main thread with ``async_op=True``. The one exception is ``launch_coded``: the quantized
+all-reduce is two collectives with a decode, a sum and an encode between them, which no single
+async collective expresses, so it runs in a daemon thread (one at a time: one fragment is in flight
+at most, except at ``finalize``, when each starts after the one before it), the only user of the
+outer group while it runs; on CUDA tensors on a side stream. `LocalCommunicator` is the single-worker
 case, where every all-reduce is the identity. Tests inject fakes (``co2_hf.testing``).
 
 Timing. On CPU tensors (gloo) an all-reduce's completion is stamped on the host by its future's
@@ -35,14 +42,19 @@ boundary's bounded waits, or by the watchdog at `group_timeout`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .quant import Collectives, GroupCollectives
 
 
 @dataclass
@@ -95,6 +107,11 @@ class Communicator:
     def launch(self, tensor: Tensor) -> Pending:
         raise NotImplementedError
 
+    def launch_coded(self, tensor: Tensor, reduce_: Callable[[Collectives], None]) -> Pending:
+        """``tensor``: the whole buffer, which ``reduce_`` sums in place (codes, and the header
+        exactly) through the collectives it is handed."""
+        raise NotImplementedError
+
     def wait(self, pending: Pending, timeout_s: float) -> None:
         raise NotImplementedError
 
@@ -124,6 +141,9 @@ class LocalCommunicator(Communicator):
         pending = Pending(tensor)
         pending.completed_at.append(pending.launched_at)
         return pending
+
+    def launch_coded(self, tensor: Tensor, reduce_: Callable[[Collectives], None]) -> Pending:
+        return self.launch(tensor)  # nothing travels, so nothing is coded: the sum of one is itself
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
@@ -163,6 +183,8 @@ class ProcessGroupCommunicator(Communicator):
         self.worker_index = dist.get_rank(outer)
         self.shard_index = dist.get_rank(worker) if worker is not None else 0
         self._side_streams: dict[Any, Any] = {}
+        self._outer_collectives: GroupCollectives | None = None
+        self._last_background: _Background | None = None
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
         group = self.group if self.sharded_params else self.everyone
@@ -184,12 +206,42 @@ class ProcessGroupCommunicator(Communicator):
                 pending.launch_events = (start, _record_event(tensor))
         return pending
 
+    def launch_coded(self, tensor: Tensor, reduce_: Callable[[Collectives], None]) -> Pending:
+        pending = Pending(tensor)
+        ready = _record_event(tensor)  # CUDA: the buffer is written when the compute stream gets here
+        side = self._side_stream(tensor.device) if tensor.is_cuda else None
+        # the previous coded all-reduce, still running when finalize launches several fragments:
+        # collectives on one group must run in issue order, so this one starts after it
+        work, previous = _Background(), self._last_background
+        pending.work = self._last_background = work
+
+        def run() -> None:
+            if previous is not None:
+                previous.join()
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if side is not None:
+                    side.wait_event(ready)
+                reduce_(self._collectives)
+                if side is not None:
+                    work.done_event = _record_event(tensor)  # on the side stream: all of it
+                    pending.launch_events = (ready, work.done_event)
+            pending.completed_at.append(time.perf_counter())
+
+        work.start(run)
+        return pending
+
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
         before = _record_event(pending.tensor)
         _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
         if before is not None:
             pending.wait_events = (before, _record_event(pending.tensor))
+
+    @property
+    def _collectives(self) -> GroupCollectives:
+        if self._outer_collectives is None:
+            self._outer_collectives = GroupCollectives(self.group)
+        return self._outer_collectives
 
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
@@ -248,9 +300,45 @@ class ProcessGroupCommunicator(Communicator):
 POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
 
 
+class _Background:
+    """``fn`` run in a daemon thread, waited for like a collective's work (`_bounded_wait`). Daemon:
+    a thread stuck in a collective with a dead peer must not keep a failing process alive."""
+
+    def __init__(self) -> None:
+        self._done, self._error = threading.Event(), None
+        self.done_event: Any = None  # CUDA: recorded on the side stream after the last collective
+
+    def start(self, fn: Callable[[], None]) -> None:
+        threading.Thread(target=self._run, args=(fn,), name="co2-coded-all-reduce", daemon=True).start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            self._error = error
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError(f"timed out after {timeout.total_seconds()}s")
+        if self._error is not None:
+            raise RuntimeError(f"{type(self._error).__name__}: {self._error}") from self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def join(self) -> None:
+        """Until the thread has ended (its errors are for its own waiter to raise)."""
+        self._done.wait()
+
+
 def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
     """Block the host until ``work`` is done, ``timeout_s`` at most (RuntimeError past it); on CUDA
     tensors the compute stream then waits for it too (which returns at once: it is done)."""
+    if isinstance(work, _Background):
+        _wait_background(work, tensor, timeout_s)
+        return
     if not tensor.is_cuda:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         return
@@ -260,6 +348,22 @@ def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
             raise RuntimeError(f"timed out after {timeout_s}s")
         time.sleep(POLL_S)
     _block_current_stream(work)
+
+
+def _wait_background(work: _Background, tensor: Tensor, timeout_s: float) -> None:
+    """A coded all-reduce: its thread ends once every collective has been issued (CUDA) or done
+    (CPU); on CUDA the compute stream then waits for the side stream's last event, polled first by
+    the host up to the same deadline."""
+    deadline = time.monotonic() + timeout_s
+    work.wait(datetime.timedelta(seconds=timeout_s))
+    if not tensor.is_cuda:
+        return
+    done = work.done_event
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s}s")
+        time.sleep(POLL_S)
+    torch.cuda.current_stream(tensor.device).wait_event(done)
 
 
 def _block_current_stream(work: Any) -> None:

@@ -9,13 +9,14 @@ one `Phases` per fragment: each runs these phases on its own slice exactly as on
 - ``_receive`` / ``_drain``: wait for the all-reduce in flight, read its header, ``D`` = the mean;
 - ``_direction``: ``P``, ``m <- beta*m + P*D``, clip ``m``, the step ``v`` (when a ``D`` came);
 - ``_exchange``: ``d = start - x``; ``a <- a - alpha*v`` (when a ``D`` came); buffer <- ``d``;
-- ``_launch``: header, then the all-reduce of this round's ``d``;
+- ``_launch``: header, then the all-reduce of this round's ``d`` (as codes with an int8/int4 wire);
 - ``_apply``: ``a <- a - alpha*v`` alone;
 - ``_reset``: ``x <- a - o``; ``_shift``: ``x <- x + (a_new - start)``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ from . import update
 from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
 from .live import LiveTensors
+from .quant import QuantizedWire
 from .rules import NoPenalty, make_penalty, make_start_rule
 from .state import FragmentProgress
 from .wire import WireBuffer
@@ -54,6 +56,7 @@ class Phases:
         optimizer: torch.optim.Optimizer | None,
         pin_memory: bool,
         clip_scale: float = 1.0,
+        index: int = 0,
     ) -> None:
         self.config, self.comm, self.layout, self.device = config, comm, layout, anchor.device
         self.num_workers, self.optimizer = num_workers, optimizer
@@ -63,6 +66,7 @@ class Phases:
         self._anchor, self._momentum = anchor, momentum  # this fragment's views of the engine's
         wire_dtype = torch.bfloat16 if config.co2_comm_dtype == "bfloat16" else torch.float32
         self.wire = WireBuffer(n, num_workers, wire_dtype=wire_dtype, **zeros)
+        self.codec = _codec(config, n, num_workers, index, self.device, pin_memory)
         self.start = make_start_rule(config, self._momentum, layout.param_local, **zeros)
         self.penalty = make_penalty(config, layout, self.device)  # for stale updates
         self._step_v = self.wire.payload if config.co2_nesterov else self._momentum  # where v lies
@@ -190,7 +194,17 @@ class Phases:
         p.sent_round = p.round
         with record_function("co2/launch"):
             try:
-                self._pending = self.comm.launch(tensor)
+                if self.codec is None:
+                    self._pending = self.comm.launch(tensor)
+                else:  # a non-finite worker's zeros leave its own residual for a later round
+                    coded = functools.partial(
+                        self.codec.all_reduce_,
+                        self.wire.payload,
+                        self.wire.header,
+                        feedback=finite,
+                        round_index=p.round,
+                    )
+                    self._pending = self.comm.launch_coded(tensor, coded)
             except RuntimeError as error:  # a transport may already know that a peer is gone
                 raise self._peer_failure(error) from error
 
@@ -266,3 +280,22 @@ class Phases:
         fragment of this worker was non-finite; its steps since then may carry the same fault)."""
         self.live.write_all(self._start_of)
         self._anchor_news = False
+
+
+def _codec(
+    config: CO2Config, numel: int, num_workers: int, index: int, device: torch.device, pin_memory: bool
+) -> QuantizedWire | None:
+    """The fragment's quantizer with a coded wire (``co2_comm_dtype`` int8/int4) over more than one
+    worker; None otherwise (one worker sends nothing, so nothing is coded)."""
+    if config.code_bits is None or num_workers == 1:
+        return None
+    return QuantizedWire(
+        numel,
+        num_workers,
+        bits=config.code_bits,
+        block=config.co2_quant_block,
+        stochastic=config.co2_quant_rounding == "stochastic",
+        seed=index,
+        device=device,
+        pin_memory=pin_memory,
+    )

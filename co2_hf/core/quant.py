@@ -13,13 +13,17 @@ rank j (a reduce-scatter of codes), rank j dequantizes and sums its slices in fp
 sum again (with a residual of its own) and an all-gather hands every rank every slice's codes.
 Each rank sends ``2 (G-1)/G`` times the coded bytes, as a ring all-reduce does with fp32: int8 is
 about a quarter of fp32 on the wire, 4-bit an eighth, plus one fp32 scale per block. Every rank
-ends with the same dequantized sum, bit for bit, because it is decoded from the same codes.
+ends with the same dequantized sum, bit for bit, because it is decoded from the same codes. A
+small fp32 tensor that must be summed exactly (the engine's header: weights, round bits, waits)
+rides along in the all-gather. `QuantizedWire` is what the engine keeps per fragment: the settings
+and the two residuals; the communicator runs its all-reduce off the main thread
+(``comm.py``, ``launch_coded``).
 Only ``all_to_all_single`` and the single-tensor all-gather are used: gloo and NCCL both have them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,8 +70,8 @@ class ErrorFeedback:
     Summed over rounds, what was sent equals what was meant minus the residual still held, so
     quantization error does not accumulate. ``residual`` is state: checkpoint it with the rest."""
 
-    def __init__(self, numel: int, *, device: torch.device | str = "cpu") -> None:
-        self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+    def __init__(self, numel: int, *, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin_memory)
 
     def compress(self, x: Tensor, **how: Any) -> tuple[Tensor, Tensor]:
         target = self.residual.add_(x)  # x + r, in the residual's memory
@@ -76,9 +80,41 @@ class ErrorFeedback:
         return codes, scales
 
 
+class Collectives(Protocol):
+    """The two collectives the quantized all-reduce needs, over ``world_size`` ranks (a process
+    group: `GroupCollectives`; the simulation of scripts/sim.py has its own). Both block."""
+
+    world_size: int
+    rank: int
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None: ...
+
+    def all_gather_(self, output: Tensor, input: Tensor) -> None: ...
+
+
+class GroupCollectives:
+    """`Collectives` over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
+        dist.all_to_all_single(output, input, group=self.group)
+
+    def all_gather_(self, output: Tensor, input: Tensor) -> None:
+        _all_gather_single(output, input, group=self.group)
+
+
+def padded_numel(numel: int, *, world: int, block: int) -> int:
+    """The length `quantized_all_reduce_` codes ``numel`` values as: a multiple of ``world * block``
+    (every rank sums whole blocks of one slice), zero-padded."""
+    return -(-numel // (world * block)) * world * block
+
+
 def quantized_all_reduce_(
     x: Tensor,
-    group: Any = None,
+    collectives: Collectives | None = None,
     *,
     bits: int,
     block: int,
@@ -86,30 +122,108 @@ def quantized_all_reduce_(
     sent: ErrorFeedback | None = None,
     owned: ErrorFeedback | None = None,
     generator: torch.Generator | None = None,
+    exact: Tensor | None = None,
 ) -> Tensor:
-    """In place, ``x <- deQ(Q(sum over ranks of deQ(Q(x_rank)))``: the sum over ``group`` through
-    codes (module docstring). ``len(x)`` must be a multiple of ``G * block``. ``sent`` is this rank's
-    residual for its own vector (``len(x)``), ``owned`` its residual for the slice it sums
-    (``len(x) / G``); None quantizes without feedback. Blocking; returns ``x``."""
-    world = dist.get_world_size(group)
-    if x.numel() % (world * block):
-        raise ValueError(
-            f"quantized all-reduce needs a length divisible by G x block = {world * block}, got {x.numel()}"
-        )
+    """In place, ``x <- deQ(Q(sum over ranks of deQ(Q(x_rank)))``: the sum over ``collectives``
+    (default: the default process group) through codes (module docstring). Any length: ``x`` is
+    coded zero-padded to `padded_numel`. ``sent`` is this rank's residual for its own vector (of the
+    padded length), ``owned`` its residual for the slice it sums (the padded length / world size);
+    None quantizes without feedback. ``exact``, a small fp32 tensor (the engine's header), is summed
+    exactly in place: every rank's travels with its slice in the all-gather and is added up in rank
+    order. Two collectives in all, each of one byte tensor (codes and scales packed together), so
+    that a thread running this waits for the interpreter as few times as possible. Blocking."""
+    collectives = collectives if collectives is not None else GroupCollectives()
+    world, n = collectives.world_size, x.numel()
     how = dict(bits=_checked_bits(bits), block=block, stochastic=stochastic, generator=generator)
-    codes, scales = sent.compress(x, **how) if sent is not None else quantize(x, **how)
-    # reduce-scatter as an all-to-all: the j-th slice of every rank's codes goes to rank j
-    their_codes, their_scales = torch.empty_like(codes), torch.empty_like(scales)
-    dist.all_to_all_single(their_codes, codes, group=group)
-    dist.all_to_all_single(their_scales, scales, group=group)
-    per_rank = dequantize(their_codes, their_scales, bits=bits, block=block).view(world, -1)
+    padded = x.new_zeros(padded_numel(n, world=world, block=block))
+    padded[:n].copy_(x)
+    codes, scales = sent.compress(padded, **how) if sent is not None else quantize(padded, **how)
+    # reduce-scatter as an all-to-all: row j (slice j's codes, then its scales) goes to rank j
+    rows = _pack(codes.view(world, -1), scales.view(world, -1))
+    theirs = torch.empty_like(rows)
+    collectives.all_to_all_(theirs.view(-1), rows.view(-1))
+    per_rank = _unpack(theirs, codes.numel() // world, bits=bits, block=block).view(world, -1)
     mine = per_rank.sum(dim=0)  # fp32, in rank order: the same on every rank that decodes it
     codes, scales = owned.compress(mine, **how) if owned is not None else quantize(mine, **how)
-    every_codes = codes.new_empty(world * codes.numel())
-    every_scales = scales.new_empty(world * scales.numel())
-    _all_gather_single(every_codes, codes, group=group)
-    _all_gather_single(every_scales, scales, group=group)
-    return x.copy_(dequantize(every_codes, every_scales, bits=bits, block=block))
+    extra = [exact.view(1, -1)] if exact is not None else []
+    row = _pack(codes.view(1, -1), scales.view(1, -1), *extra)
+    every = row.new_empty(world, row.shape[1])
+    collectives.all_gather_(every.view(-1), row.view(-1))
+    coded = every[:, : row.shape[1] - 4 * (exact.numel() if exact is not None else 0)]
+    x.copy_(_unpack(coded, codes.numel(), bits=bits, block=block)[:n])
+    if exact is not None:
+        headers = every[:, coded.shape[1] :].contiguous().view(torch.float32)
+        exact.copy_(headers.sum(dim=0))
+    return x
+
+
+def _pack(codes: Tensor, scales: Tensor, *extra: Tensor) -> Tensor:
+    """Per row, the bytes of its codes, then of its fp32 scales (and of any fp32 ``extra``)."""
+    return torch.cat([codes.view(torch.uint8), *(t.contiguous().view(torch.uint8) for t in (scales, *extra))], dim=1)
+
+
+def _unpack(rows: Tensor, code_bytes: int, *, bits: int, block: int) -> Tensor:
+    """The fp32 values of `_pack`'s rows, end to end."""
+    codes = rows[:, :code_bytes].contiguous().view(-1)
+    scales = rows[:, code_bytes:].contiguous().view(torch.float32).view(-1)
+    return dequantize(codes if bits == 4 else codes.view(torch.int8), scales, bits=bits, block=block)
+
+
+class QuantizedWire:
+    """One fragment's outer gradients on the wire as codes (``co2_comm_dtype`` int8 or int4): the
+    quantizer's settings and this rank's two error-feedback residuals, which are checkpoint state
+    (`state` / `load_`). Rounding noise (``stochastic``) is drawn from a generator seeded by the
+    worker, the fragment and the round, so a resumed run draws the same noise."""
+
+    def __init__(
+        self,
+        numel: int,
+        num_workers: int,
+        *,
+        bits: int,
+        block: int,
+        stochastic: bool,
+        seed: int,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
+        self.bits, self.block, self.stochastic, self.seed = _checked_bits(bits), block, stochastic, seed
+        padded = padded_numel(numel, world=num_workers, block=block)
+        zeros = dict(device=device, pin_memory=pin_memory)
+        self.sent = ErrorFeedback(padded, **zeros)
+        self.owned = ErrorFeedback(padded // num_workers, **zeros)
+
+    def all_reduce_(
+        self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool, round_index: int
+    ) -> None:
+        """Sum ``x`` over the workers through codes, and ``exact`` (the header) exactly.
+        ``feedback=False`` (a non-finite worker, which sends zeros) leaves this rank's own residual
+        for a later round."""
+        generator = None
+        if self.stochastic:
+            generator = torch.Generator(device=x.device)
+            generator.manual_seed(hash((self.seed, collectives.rank, round_index)) & (2**62 - 1))
+        quantized_all_reduce_(
+            x,
+            collectives,
+            bits=self.bits,
+            block=self.block,
+            stochastic=self.stochastic,
+            sent=self.sent if feedback else None,
+            owned=self.owned,
+            generator=generator,
+            exact=exact,
+        )
+
+    def nbytes(self) -> int:
+        return 4 * (self.sent.residual.numel() + self.owned.residual.numel())
+
+    def state(self) -> dict[str, Tensor]:
+        return {"sent": self.sent.residual, "owned": self.owned.residual}
+
+    def load_(self, saved: dict[str, Tensor]) -> None:
+        self.sent.residual.copy_(saved["sent"])
+        self.owned.residual.copy_(saved["owned"])
 
 
 # torch 2.13 renamed all_gather_into_tensor (kept, with a FutureWarning) to all_gather_single

@@ -11,7 +11,9 @@ What carries over, and how (``README.md``, "Losing a node"):
 - the live parameters do not: new worker ``w'`` is not old worker ``w'``. Every new rank starts
   from the anchor with the in-flight average applied (`start_from_anchor`: the step the next
   boundary would have taken with that ``D``, taken now), so the start rule's offsets are reset
-  (they described each old worker's own round);
+  (they described each old worker's own round), and so are a quantized wire's error-feedback
+  residuals (what an old rank's codes left out of its own outer gradients and of the slice of the
+  sum it owned: at most one round's rounding error, and the slices are cut anew);
 - the inner optimizer state of new worker ``w'`` is old worker ``w' mod G``'s, re-sharded under
   FSDP2 (`resharded_optimizer_state`): the statistics of a worker that trained the same model on
   the same data distribution, rather than a cold restart (an Adam reset makes the next steps as
@@ -111,7 +113,9 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
             kept["consecutive_skipped"] = kept["skipped_rounds"] = 0
         offset = fragment["own_outer_grad"]
         zero = None if offset is None else torch.zeros_like(offset)
-        fragments.append({"buffer": buffer, "own_outer_grad": zero, "counters": kept})
+        residuals = fragment.get("residuals")  # int8/int4 wires: reset, as the offsets are
+        residuals = None if residuals is None else {k: torch.zeros_like(v) for k, v in residuals.items()}
+        fragments.append({"buffer": buffer, "own_outer_grad": zero, "counters": kept, "residuals": residuals})
     if not one:  # the skipped rounds, summed, are kept on the first fragment
         fragments[0]["counters"]["skipped_rounds"] = sum(c["skipped_rounds"] for c in counters["fragments"])
     return {

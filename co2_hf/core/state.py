@@ -4,7 +4,9 @@ Each rank saves its own part (``CO2.state_dict``), which never issues a collecti
 tensors it holds (keys ``anchor``, ``momentum``), the engine's clock (`Progress`, key ``counters``)
 and, per fragment (key ``fragments``, one entry per fragment, one when ``co2_fragments = 1``): the
 fp32 communication buffer with a completed all-reduce result in it (``buffer``), the start rule's
-offset or None (``own_outer_grad``) and the fragment's `FragmentProgress` (``counters``). The
+offset or None (``own_outer_grad``), the fragment's `FragmentProgress` (``counters``) and, with a
+quantized wire, this rank's two error-feedback residuals (``residuals``: ``sent`` and ``owned``;
+None or absent otherwise). The
 config and the layout are checked by `check_compatible`. The caller saves the rank's live
 parameters and inner optimizer state beside it. An all-reduce in flight is waited for first and
 stored as completed (its values do not depend on when it is waited for), so the fragment's next
@@ -22,8 +24,9 @@ from typing import Any
 STATE_FORMAT = 2
 # Settings that may change on resume: they do not alter the trajectory.
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
-# Settings added after format 1, with the value every older checkpoint was trained with.
-ADDED_SETTINGS = {"co2_fragments": 1}
+# Settings added since format 1, with the value every older checkpoint was trained with (a float32
+# or bfloat16 wire, where the quantizer's knobs had no effect, read as their defaults).
+ADDED_SETTINGS = {"co2_fragments": 1, "co2_quant_block": 128, "co2_quant_rounding": "nearest"}
 # load_state_dict resumes exactly; another number of workers goes through core/reshard.py
 ELSEWHERE = "; to resume on another number of workers, re-shard the state (co2_hf.core.reshard.load_resharded)"
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
@@ -60,9 +63,9 @@ def from_dict(cls: type, saved: dict[str, Any]) -> Any:
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
-    """A format-1 state as format 2 (one fragment); format 2 as it is."""
+    """A format-1 state as format 2 (one fragment); format 2 with every added setting filled in."""
     if saved.get("format") != 1:
-        return saved
+        return {**saved, "config": {**ADDED_SETTINGS, **saved["config"]}} if "config" in saved else saved
     counters = {k: saved["counters"][_FORMAT_1_NAMES.get(k, k)] for k in asdict(FragmentProgress())}
     fragment = {"buffer": saved["buffer"], "own_outer_grad": saved["own_outer_grad"], "counters": counters}
     clock = {k: saved["counters"][k] for k in asdict(Progress())}

@@ -6,7 +6,8 @@
 
 `WireBuffer` makes these regions as views in one place; nothing else indexes the header. The fp32
 buffer is the engine's working memory (it holds ``D``, then ``P * D``, then the Nesterov step,
-then the next ``d``); with ``co2_comm_dtype='bfloat16'`` a bf16 copy is what travels.
+then the next ``d``); with ``co2_comm_dtype='bfloat16'`` a bf16 copy is what travels; with int8 or
+int4 the payload travels as codes (``quant.py``) and the header as it is, in fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class WireBuffer:
         n = payload_numel
         self.fp32 = torch.zeros(n + 1 + ROUND_BITS + num_workers, **zeros)
         self.payload = self.fp32[:n]
+        self.header = self.fp32[n:]  # what a quantized wire still sums exactly, in fp32
         self.weight = self.fp32[n]  # 1 from a finite worker, 0 otherwise; summed: how many were finite
         self.round_bits = self.fp32[n + 1 : n + 1 + ROUND_BITS]
         self.waits = self.fp32[n + 1 + ROUND_BITS :]  # worker i's last exposed wait, in slot i

@@ -13,7 +13,7 @@ import statistics
 from ..bench_overlap import SEQ
 from ..scaling_model import gpt2_params
 from .netns import rate_bps
-from .plan import CO2_SETTINGS, MODELS, Block, Run
+from .plan import CO2_SETTINGS, MODELS, Block, Run, wire_bytes_per_value
 
 
 def _steady_per_step(run: Run, times: list[float]) -> float:
@@ -63,6 +63,7 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         **_ids(block),
         "method": run.method,
         "tau": run.tau if run.method in CO2_SETTINGS else None,
+        "wire": run.wire if run.method in CO2_SETTINGS else None,
         "rounds": run.rounds,
         "step_time_s": round(step, 4),
         "time_per_step_s": round(slowest, 4),
@@ -103,10 +104,13 @@ def predicted_link_bytes(method: str, block: Block, run: Run | None = None) -> f
     (co2_node), k rings of one rank per node each carry S/k, and all k leave the node. Streaming
     (co2_stream, F = tau fragments) sends S per round too, but the counter also holds the end of the
     run: ``finalize()`` runs the boundary of the F - 1 fragments that took steps since theirs, one
-    more (F - 1)/F of S over the run's rounds."""
+    more (F - 1)/F of S over the run's rounds. Another wire type scales S by its bytes per value
+    (`wire_bytes_per_value`); the quantized all-reduce sends ``2 (R-1)/R`` of its codes and scales as
+    well (an all-to-all, then an all-gather: core/quant.py)."""
     if method == "no_comm":
         return 0.0
-    size = 4 * gpt2_params(MODELS[block.model])
+    wire = run.wire if run is not None and method in CO2_SETTINGS else "float32"
+    size = wire_bytes_per_value(wire) * gpt2_params(MODELS[block.model])
     members = block.nodes if method == "co2_node" else block.ranks
     per_round = 2 * (members - 1) / members * size
     if method == "co2_stream" and run is not None:
@@ -144,24 +148,34 @@ def markdown_table(lines: list[dict]) -> str:
     """The README's table: one row per cell (link, ranks, model, method, tau), probes and no_comm
     runs left out, in file order; with repeats, the median of each column and the number of runs."""
     head = (
-        "| link | ranks | model | method | tau | step (s) | tokens/s | vs limit | all-reduce alone (s) "
-        "| exposed per round (s) | hidden | load | runs |"
+        "| link | ranks | model | method | wire | tau | step (s) | tokens/s | vs limit | fp32 all-reduce alone (s) "
+        "| exposed per round (s) | hidden | bytes vs fp32 | load | runs |"
     )
     cells: dict[tuple, list[dict]] = {}
     for x in lines:
         if x["method"] not in ("probe", "no_comm") and "error" not in x:
-            cells.setdefault((x["rate"], x["ranks"], x["model"], x["method"], x.get("tau")), []).append(x)
-    rows = [head, "|---" * 13 + "|"]
-    for (rate, ranks, model, method, tau), runs in cells.items():
+            key = (x["rate"], x["ranks"], x["model"], x["method"], x.get("wire") or "-", x.get("tau"))
+            cells.setdefault(key, []).append(x)
+    rows = [head, "|---" * 15 + "|"]
+    fp32_bytes = {k[:4] + k[5:]: _median_bytes(v) for k, v in cells.items() if k[4] == "float32"}
+    for (rate, ranks, model, method, wire, tau), runs in cells.items():
         med = {key: statistics.median(r[key] for r in runs) for key in _TABLE_KEYS}
         hidden = [r["hidden_frac"] for r in runs if r.get("hidden_frac") is not None]
         hidden_text = f"{statistics.median(hidden):.2f}" if hidden else "-"
+        fp32 = fp32_bytes.get((rate, ranks, model, method, tau))
+        sent = _median_bytes(runs)
+        ratio = f"{sent / fp32:.3f}" if fp32 and sent is not None else "-"
         rows.append(
-            f"| {rate} | {ranks} | {model} | {method} | {tau or '-'} | {med['time_per_step_s']:.3f} "
+            f"| {rate} | {ranks} | {model} | {method} | {wire} | {tau or '-'} | {med['time_per_step_s']:.3f} "
             f"| {med['tokens_per_s']:.0f} | **{med['rel_to_limit']:.2f}** | {med['allreduce_alone_s']:.3f} "
-            f"| {med['exposed_comm_per_round_s']:.3f} | {hidden_text} | {med['load_1m']:.1f} | {len(runs)} |"
+            f"| {med['exposed_comm_per_round_s']:.3f} | {hidden_text} | {ratio} | {med['load_1m']:.1f} | {len(runs)} |"
         )
     return "\n".join(rows)
+
+
+def _median_bytes(runs: list[dict]) -> float | None:
+    sent = [r["link_tx_bytes_per_round"] for r in runs if r.get("link_tx_bytes_per_round") is not None]
+    return statistics.median(sent) if sent else None
 
 
 _TABLE_KEYS = (

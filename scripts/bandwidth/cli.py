@@ -15,7 +15,17 @@ from . import __doc__ as DESCRIPTION
 from .analysis import markdown_table
 from .launch import print_dry_run, run_plan
 from .netns import check_privileges, rate_bps, remove_stale_namespaces
-from .plan import DEFAULT_BATCH, DEVICES, METHODS, MODELS, build_plan, check_gpus, estimate_block_s, visible_gpus
+from .plan import (
+    DEFAULT_BATCH,
+    DEVICES,
+    METHODS,
+    MODELS,
+    WIRES,
+    build_plan,
+    check_gpus,
+    estimate_block_s,
+    visible_gpus,
+)
 from .plot import plot
 from .worker import worker
 
@@ -32,6 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=csv(str),
         default=[m for m in METHODS if m != "co2_node"],
         help=f"among {', '.join(METHODS)} (co2_node: needs --ranks-per-node > 1)",
+    )
+    parser.add_argument(
+        "--wires",
+        type=csv(str),
+        default=["float32"],
+        help=f"co2_comm_dtype of every CO2-engine run, among {', '.join(WIRES)}: one run per wire type",
     )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing one namespace (unshaped)")
@@ -66,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--table", help="print the Markdown table of a JSONL written by --out, and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if set(args.wires) - set(WIRES):
+        parser.error(f"--wires must be among {', '.join(WIRES)}; got {','.join(args.wires)}")
     unknown = set(args.methods) - set(METHODS)
     if unknown or args.ranks % args.ranks_per_node or args.ranks < 2:
         parser.error(f"methods must be among {METHODS}; --ranks >= 2, a multiple of --ranks-per-node")

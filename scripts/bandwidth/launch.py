@@ -87,7 +87,7 @@ def run_block(
             started = time.monotonic()
             results[i] = _await([workdir / f"run{i}.rank{r}.json" for r in ranks], procs, deadline, run.method)
             print(
-                f"# {block.rate} x{block.ranks} {block.model}: {run.method} tau {run.tau} took "
+                f"# {block.rate} x{block.ranks} {block.model}: {run.method} tau {run.tau} {run.wire} took "
                 f"{time.monotonic() - started:.0f} s",
                 flush=True,
             )

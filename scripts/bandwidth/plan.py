@@ -30,6 +30,8 @@ CO2_SETTINGS = {  # the README's table of methods
     "co2_node": dict(co2_overlap=True, co2_fragments=1),
 }
 METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", "co2_node")
+WIRES = ("float32", "bfloat16", "int8", "int4")  # co2_comm_dtype of the CO2-engine runs (--wires)
+QUANT_BLOCK = 128  # co2_quant_block: CO2Config's default
 
 
 def co2_settings(method: str, tau: int) -> dict:
@@ -57,6 +59,13 @@ class Run:
     method: str
     tau: int  # steps per round: tau for the CO2 engine, 1 for ddp and no_comm
     rounds: int
+    wire: str = "float32"  # co2_comm_dtype of a CO2-engine run
+
+
+def wire_bytes_per_value(wire: str) -> float:
+    """Bytes on the wire per outer-gradient value: the dtype's, or a code plus its share of the block's
+    fp32 scale (core/quant.py; the exact fp32 header of each all-reduce is left out)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1 + 4 / QUANT_BLOCK, "int4": 0.5 + 4 / QUANT_BLOCK}[wire]
 
 
 @dataclass
@@ -94,7 +103,7 @@ def make_block(args, *, ranks: int, model: str, rate: str, taus: list[int], meth
     shared machine then moves a run and its limit together."""
     runs = [Run("ddp", 1, args.ddp_steps)] if "ddp" in methods else []
     for tau in taus:
-        runs += [Run(m, tau, rounds_for(tau, args)) for m in methods if m in CO2_SETTINGS]
+        runs += [Run(m, tau, rounds_for(tau, args), wire) for m in methods if m in CO2_SETTINGS for wire in args.wires]
     runs = runs * args.repeats
     if "no_comm" in methods:
         limit = Run("no_comm", 1, args.limit_steps)
@@ -117,10 +126,13 @@ def build_plan(args) -> list[Block]:
 
 
 def _method_and_link(run: Run, block: Block) -> tuple[str, float]:
+    """scaling_model's method, and the rate at which its fp32 bytes would cross (a narrower wire
+    type sends fewer bytes: as if the link were that much faster)."""
     bps = rate_bps(block.rate)
-    return {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2", "co2_stream": "co2"}.get(
+    method = {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2", "co2_stream": "co2"}.get(
         run.method, run.method
-    ), 0.95 * bps if bps else UNSHAPED_BPS
+    )
+    return method, (0.95 * bps if bps else UNSHAPED_BPS) * 4 / wire_bytes_per_value(run.wire)
 
 
 def estimate_run_s(run: Run, block: Block) -> float:

@@ -45,7 +45,7 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_nod
         model = DistributedDataParallel(model, device_ids=[torch.device(device).index] if on_gpu else None)
     elif run.method in CO2_SETTINGS:
         k = ranks_per_node if run.method == "co2_node" else 1
-        settings = CO2Config(co2_worker_size=k, **co2_settings(run.method, run.tau))
+        settings = CO2Config(co2_worker_size=k, co2_comm_dtype=run.wire, **co2_settings(run.method, run.tau))
         co2 = CO2(model, settings, optimizer=optimizer)
     gen = torch.Generator().manual_seed(rank)
     tx_start = _link_tx_bytes()
