@@ -21,6 +21,13 @@ same repeat (median over repeats) and the boundary's cost in steps: the extra ti
 plain's step, ``(ratio - 1) x tau``. One untimed run comes first (one-time costs of a process).
 The issue's target: GPT-2 small, sequence 1024, tau 12, ``co2`` within 1.03 x ``plain`` (a boundary
 costs at most 3% of a step, spread over its round; 0.36 of one step at tau 12).
+
+``--codecs int8 int4`` (the default) also times what a quantized wire (``co2_comm_dtype`` int8/int4)
+computes per round on the device, which one process never runs (nothing travels): one model's values
+through `quantized_all_reduce_` over a world of one rank (quantize, decode, re-quantize, decode:
+every pass a rank of any world makes, the re-quantized slice at its largest), in tau fragments, with
+the device synchronised around the round. It runs in CO2's communication thread, beside compute,
+not on the compute path; the line says what it would add if it were.
 """
 
 from __future__ import annotations
@@ -90,6 +97,43 @@ def run(name: str, args) -> dict:
     }
 
 
+class _OneRank:
+    """`co2_hf.core.quant.Collectives` of a world of one: every collective is a copy."""
+
+    world_size, rank = 1, 0
+
+    def all_to_all_(self, output, input):
+        output.copy_(input)
+
+    all_gather_ = all_to_all_
+
+
+def codec_cost(name: str, args, numel: int) -> dict:
+    """Seconds per round that the quantized all-reduce of ``numel`` values in tau fragments computes."""
+    from co2_hf.config import CODE_BITS
+    from co2_hf.core.quant import ErrorFeedback, padded_numel, quantized_all_reduce_
+
+    part = -(-numel // args.tau)
+    x = torch.randn(part, device=args.device) * 1e-3
+    sent = ErrorFeedback(padded_numel(part, world=1, block=128), device=args.device)
+    owned = ErrorFeedback(padded_numel(part, world=1, block=128), device=args.device)
+    header = torch.zeros(1 + 32 + 2, device=args.device)
+
+    def one_round() -> None:
+        for _ in range(args.tau):
+            quantized_all_reduce_(x, _OneRank(), bits=CODE_BITS[name], block=128, sent=sent, owned=owned, exact=header)
+
+    one_round()  # untimed: first calls
+    times = []
+    for _ in range(args.rounds):
+        _sync(args.device)
+        start = time.perf_counter()
+        one_round()
+        _sync(args.device)
+        times.append(time.perf_counter() - start)
+    return {"run": f"codec_{name}", "numel": numel, "seconds_per_round": statistics.median(times)}
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -127,6 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=5, help="whole rounds timed per run, after an untimed one")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--codecs", nargs="*", default=["int8", "int4"], choices=["int8", "int4"])
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.tau < 1:
         parser.error(f"--rounds and --tau must be >= 1 (got --rounds {args.rounds}, --tau {args.tau})")
@@ -150,7 +195,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"= {s['boundary_steps']:.2f} steps",
             flush=True,
         )
+    lines += _codec_lines(args, lines)
     return lines
+
+
+def _codec_lines(args, lines: list[dict]) -> list[dict]:
+    """`codec_cost` of each ``--codecs`` entry, against plain's round (when plain ran)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if not args.codecs:
+        return []
+    config = GPT2Config(vocab_size=50257, n_positions=args.seq, **SHAPES[args.model])
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+    plain = [x["time_per_step_s"] for x in lines if x["run"] == "plain"]
+    out = []
+    for name in args.codecs:
+        line = {**codec_cost(name, args, numel), "device": args.device, "model": args.model}
+        if plain:
+            line["vs_plain_round"] = line["seconds_per_round"] / (args.tau * statistics.median(plain))
+        print(json.dumps(line), flush=True)
+        share = f", {line['vs_plain_round']:.1%} of plain's round" if plain else ""
+        print(f"# {line['run']}: {line['seconds_per_round']:.4f} s of codec work per round{share}", flush=True)
+        out.append(line)
+    return out
 
 
 if __name__ == "__main__":

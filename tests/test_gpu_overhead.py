@@ -50,12 +50,16 @@ def test_each_run_is_compared_with_plain_of_its_own_repeat():
 def test_smoke_run_on_the_cpu_reports_every_run(capsys):
     argv = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--batch", "1", "--tau", "2"]
     lines = gpu_overhead.main([*argv, "--rounds", "2", "--repeats", "1"])
-    assert [x["run"] for x in lines] == list(gpu_overhead.RUNS)
-    assert all(x["total_s"] > 0 and x["steps"] == 4 for x in lines)
-    assert [x["round_ends"] for x in lines] == [0, 2, 2, 2, 2]  # whole rounds, fragments or not
-    assert lines[0]["outer_state_bytes"] == 0 and lines[1]["outer_state_bytes"] > 0
+    runs, codecs = lines[: len(gpu_overhead.RUNS)], lines[len(gpu_overhead.RUNS) :]
+    assert [x["run"] for x in runs] == list(gpu_overhead.RUNS)
+    assert all(x["total_s"] > 0 and x["steps"] == 4 for x in runs)
+    assert [x["round_ends"] for x in runs] == [0, 2, 2, 2, 2]  # whole rounds, fragments or not
+    assert runs[0]["outer_state_bytes"] == 0 and runs[1]["outer_state_bytes"] > 0
+    # the quantized wire's own work per round, which one process never runs
+    assert [x["run"] for x in codecs] == ["codec_int8", "codec_int4"]
+    assert all(x["seconds_per_round"] > 0 and x["vs_plain_round"] > 0 and x["numel"] > 0 for x in codecs)
     out = capsys.readouterr().out
-    assert "# co2: " in out and " x plain (target <= 1.03: " in out
+    assert "# co2: " in out and " x plain (target <= 1.03: " in out and "# codec_int8: " in out
     with pytest.raises(SystemExit):
         gpu_overhead.main([*argv, "--rounds", "0"])
 
@@ -64,7 +68,7 @@ def test_smoke_run_on_the_cpu_reports_every_run(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_run_times_whole_rounds_with_gpu_and_host_state(capsys):
     argv = ["--device", "cuda", "--model", "tiny", "--seq", "128", "--batch", "2", "--tau", "4", "--rounds", "2"]
-    lines = gpu_overhead.main([*argv, "--repeats", "1"])
+    lines = gpu_overhead.main([*argv, "--repeats", "1", "--codecs"])
     assert [x["round_ends"] for x in lines] == [0, 2, 2, 2, 2] and all(x["total_s"] > 0 for x in lines)
     assert lines[4]["outer_state_bytes"] > 0  # co2_cpu_state: the state in host memory, trained on the GPU
     assert "# co2_cpu_state: " in capsys.readouterr().out

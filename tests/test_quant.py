@@ -219,3 +219,18 @@ def test_a_coded_wire_holds_two_residuals_beside_the_outer_state():
     # residual of the half of the sum it owns
     residuals = sum(4 * padded_numel(part.layout.shard_numel, world=2, block=8) * 3 // 2 for part in coded.fragments)
     assert coded.outer_state_nbytes() == plain.outer_state_nbytes() + residuals
+
+
+@pytest.mark.timeout(240)
+def test_the_trainer_resumes_an_int8_wire_bit_for_bit_from_its_checkpoint(tmp_path):
+    """Through CO2Trainer's checkpoints (the residuals travel in each rank's file) on 2 processes."""
+    from trainer_workers import STOP_AT, stopped_then_resumed_in_process
+
+    out = str(tmp_path / "int8")
+    runs = run_processes(stopped_then_resumed_in_process, 2, out, {"co2_comm_dtype": "int8"}, timeout_s=200)
+    saved = torch.load(f"{out}/checkpoint-{STOP_AT}/co2_rank0.pt", weights_only=False)["co2"]
+    assert all(fragment["residuals"]["sent"].abs().sum() > 0 for fragment in saved["fragments"])
+    for rank in runs:
+        assert rank["stopped_at"] == STOP_AT
+        for name, value in rank["full"].items():
+            assert torch.equal(rank["final"][name], value), name
