@@ -27,7 +27,9 @@ computes per round on the device, which one process never runs (nothing travels)
 through `quantized_all_reduce_` over a world of one rank (quantize, decode, re-quantize, decode:
 every pass a rank of any world makes, the re-quantized slice at its largest), in tau fragments, with
 the device synchronised around the round. It runs in CO2's communication thread, beside compute,
-not on the compute path; the line says what it would add if it were.
+not on the compute path; the line says what it would add if it were. ``--runs`` with no names and
+``--codec-numel N`` time the codecs alone on N values (the slow-link benchmark's model:
+``--device cpu --runs --codec-numel 10293504 --tau 4``).
 """
 
 from __future__ import annotations
@@ -170,8 +172,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tau", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5, help="whole rounds timed per run, after an untimed one")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--codecs", nargs="*", default=["int8", "int4"], choices=["int8", "int4"])
+    parser.add_argument(
+        "--codec-numel", type=int, help="values the codecs code per round (default: the --model's parameters)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.tau < 1:
         parser.error(f"--rounds and --tau must be >= 1 (got --rounds {args.rounds}, --tau {args.tau})")
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--device cuda: torch sees no GPU here (use --device cpu for a smoke run)")
     # untimed: the process's first model and kernels pay one-time costs (allocator pools, kernel and
     # autotuning caches, lazy initialisation) that would otherwise land on whichever run comes first
-    run(args.runs[0], argparse.Namespace(**{**vars(args), "rounds": 1}))
+    if args.runs:
+        run(args.runs[0], argparse.Namespace(**{**vars(args), "rounds": 1}))
     lines = []
     for repeat in range(args.repeats):
         for name in args.runs:
@@ -205,9 +211,11 @@ def _codec_lines(args, lines: list[dict]) -> list[dict]:
 
     if not args.codecs:
         return []
-    config = GPT2Config(vocab_size=50257, n_positions=args.seq, **SHAPES[args.model])
-    with torch.device("meta"):
-        numel = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+    numel = args.codec_numel
+    if numel is None:
+        config = GPT2Config(vocab_size=50257, n_positions=args.seq, **SHAPES[args.model])
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
     plain = [x["time_per_step_s"] for x in lines if x["run"] == "plain"]
     out = []
     for name in args.codecs:

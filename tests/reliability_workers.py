@@ -147,7 +147,10 @@ def nan_suite(rank: int, world: int) -> dict:
 
 # ---------------------------------------------------------------- peers that die or freeze
 
-FAULTS = [(signame, when) for signame in ("SIGKILL", "SIGSTOP") for when in ("mid_round", "in_flight")]
+# (signal, when, wire): the quantized wire's all-reduce runs in a thread of its own (core/comm.py),
+# so a peer lost with one in flight is checked there too
+FAULTS = [(signame, when, "float32") for signame in ("SIGKILL", "SIGSTOP") for when in ("mid_round", "in_flight")]
+FAULTS += [(signame, "in_flight", "int8") for signame in ("SIGKILL", "SIGSTOP")]
 FAULT_TIMEOUT_S = 4.0
 
 
@@ -157,10 +160,12 @@ def peer_faults(rank: int, world: int, marker_dir: str) -> dict | None:
     timeout = datetime.timedelta(seconds=FAULT_TIMEOUT_S)  # what CO2 gives the group it creates
     groups = [dist.new_group([2 * k, 2 * k + 1], timeout=timeout) for k in range(world // 2)]
     pair, victim = rank // 2, rank % 2 == 1
-    signame, when = FAULTS[pair]
+    signame, when, wire = FAULTS[pair]
     model = Regression(seed=rank)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": TAU, "co2_timeout_s": FAULT_TIMEOUT_S})
+    config = CO2Config(
+        **{**SPEC_DEFAULTS, "co2_local_steps": TAU, "co2_timeout_s": FAULT_TIMEOUT_S, "co2_comm_dtype": wire}
+    )
     co2 = CO2(model, config, optimizer=optimizer, process_group=groups[pair])
     marker = os.path.join(marker_dir, f"pair{pair}.json")
     for step in range(20 * TAU):

@@ -241,9 +241,9 @@ def fault_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
-@pytest.mark.parametrize(("signame", "when"), FAULTS, ids=[f"{s}-{w}" for s, w in FAULTS])
-def test_a_dead_or_frozen_peer_stops_the_other_rank_with_co2s_error(fault_runs, signame, when):
-    outcome = fault_runs[(signame, when)]
+@pytest.mark.parametrize(("signame", "when", "wire"), FAULTS, ids=[f"{s}-{w}-{c}" for s, w, c in FAULTS])
+def test_a_dead_or_frozen_peer_stops_the_other_rank_with_co2s_error(fault_runs, signame, when, wire):
+    outcome = fault_runs[(signame, when, wire)]
     assert outcome is not None and outcome["ok"], outcome
     result = outcome["result"]
     assert result["fault"]["in_flight"] is (when == "in_flight")  # the all-reduce the peer died in

@@ -61,3 +61,9 @@ $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method 
 $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream --method "co2_stream=--co2_fragments 2 --co2_start_rule lookahead"
 $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream \
   --method "co2_full_eager=--co2_fragments 1 --co2_start_rule eager" --method "co2_stream_eager=--co2_fragments 2 --co2_start_rule eager"
+# Quantized outer gradients (issue 17): fp32, int8 and int4 on the wire side by side, each recipe
+# with its own CO2 settings (GPT: the library's streaming defaults; ViT: tau 2, full overlap, eager)
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_quant \
+  --method "co2_fp32=" --method "co2_int8=--co2_comm_dtype int8" --method "co2_int4=--co2_comm_dtype int4"
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_quant \
+  --method "co2_fp32=" --method "co2_int8=--co2_comm_dtype int8" --method "co2_int4=--co2_comm_dtype int4"
