@@ -22,8 +22,8 @@ RUNS = {
     "flat": dict(BASE),  # with the gap-aware penalty: exact too, each worker holds the whole vector
     "fsdp": dict(BASE, co2_gap_penalty=0.0, co2_worker_size=2),
     # streaming, 2 fragments of k = 2 steps: saved with fragment 0 in flight (launched at step 6),
-    # whose average the old run applies at step 8; Nesterov and the lookahead start
-    "stream": dict(BASE, co2_fragments=2, co2_start_rule="lookahead", co2_nesterov=True),
+    # whose average the old run applies at step 8; Nesterov, the lookahead start, an int8 wire
+    "stream": dict(BASE, co2_fragments=2, co2_start_rule="lookahead", co2_nesterov=True, co2_comm_dtype="int8"),
 }
 # (world, run) -> (co2_worker_size of the resumed run, FSDP2 inside it)
 RESUMED = {

@@ -77,6 +77,9 @@ def test_with_fragments_the_received_average_is_applied_and_every_fragment_start
             assert not counters["have_d"] and counters["round"] == clock_round
         for fragment in out["carried"]["fragments"]:
             assert not fragment["own_outer_grad"].any()
+            residuals = fragment["residuals"]  # int8: reset like the offsets (none with one worker)
+            assert (residuals is None) is (world == 1) and all(not r.any() for r in (residuals or {}).values())
+        assert all(f["residuals"]["sent"].any() for f in source["fragments"])  # there was something to reset
 
 
 @pytest.mark.timeout(300)
