@@ -40,8 +40,11 @@ $S --steps 600 --seeds 1 2 --jobs 1 --configs f12_eager_b0 --out results/finalis
 # codes (rounded to nearest or stochastically; blocks of 128 or 32): 600-step screen, seed 0 ...
 $S --steps 600 --seeds 0 --out results/screen_micro_600_wire.jsonl --configs co2 co2_int8 co2_int8_sr \
   co2_int4 co2_int4_sr co2_int8_b32 co2_int4_b32 co2_bf16
-# ... (the screen above was stopped after its first four runs, for time) and int8 at 2400 steps, seed 0
+# ... and int8 at 2400 steps, seed 0
 # (fp32 at 2400 steps is f12_look_b2 in finalists_micro_2400_fragments.jsonl: CO2Config() is that
 # configuration, and the sweep reproduces it bit for bit: co2 and f12_look_b2 at 600 steps, seed 0,
 # both reach 5.474588394165039)
 $S --steps 2400 --eval_every 200 --seeds 0 --jobs 1 --configs co2_int8 --out results/finalists_micro_2400_wire.jsonl
+# ... seeds 1 and 2 of int8 at 2400 steps, and of int8 and int4 at 600 (fp32: f12_look_b2 above)
+$S --steps 2400 --eval_every 200 --seeds 1 2 --jobs 1 --configs co2_int8 --out results/finalists_micro_2400_wire.jsonl
+$S --steps 600 --seeds 1 2 --jobs 1 --configs co2_int8 co2_int4 --out results/finalists_micro_600_wire.jsonl

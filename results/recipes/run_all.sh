@@ -67,3 +67,5 @@ $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_quant \
   --method "co2_fp32=" --method "co2_int8=--co2_comm_dtype int8" --method "co2_int4=--co2_comm_dtype int4"
 $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_quant \
   --method "co2_fp32=" --method "co2_int8=--co2_comm_dtype int8" --method "co2_int4=--co2_comm_dtype int4"
+# GPT at 2000 steps, seed 0: int8 on the wire, beside the streaming (fp32) row of gpt_2000 above
+$C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_int8=--co2_comm_dtype int8" -- --eval_steps 200
