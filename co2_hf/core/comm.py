@@ -183,7 +183,7 @@ class ProcessGroupCommunicator(Communicator):
         self.worker_index = dist.get_rank(outer)
         self.shard_index = dist.get_rank(worker) if worker is not None else 0
         self._side_streams: dict[Any, Any] = {}
-        self._outer_collectives: GroupCollectives | None = None
+        self._collectives = GroupCollectives(outer)  # what a coded all-reduce runs on (launch_coded)
         self._last_background: _Background | None = None
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
@@ -236,12 +236,6 @@ class ProcessGroupCommunicator(Communicator):
         _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
         if before is not None:
             pending.wait_events = (before, _record_event(pending.tensor))
-
-    @property
-    def _collectives(self) -> GroupCollectives:
-        if self._outer_collectives is None:
-            self._outer_collectives = GroupCollectives(self.group)
-        return self._outer_collectives
 
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
@@ -301,8 +295,10 @@ POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight a
 
 
 class _Background:
-    """``fn`` run in a daemon thread, waited for like a collective's work (`_bounded_wait`). Daemon:
-    a thread stuck in a collective with a dead peer must not keep a failing process alive."""
+    """``fn`` run in a daemon thread, with the three methods of a collective's work that
+    `_bounded_wait` uses, so that it waits for both alike. Daemon: a thread stuck in a collective
+    with a dead peer must not keep a failing process alive. On CUDA the thread ends once its work
+    is queued on the side stream; it is complete when the side stream's last event is."""
 
     def __init__(self) -> None:
         self._done, self._error = threading.Event(), None
@@ -326,7 +322,13 @@ class _Background:
             raise RuntimeError(f"{type(self._error).__name__}: {self._error}") from self._error
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() and (self.done_event is None or self.done_event.query())
+
+    def block_current_stream(self) -> None:
+        """CUDA: the current stream waits for the side stream's last event (the thread's error, if any,
+        is raised instead)."""
+        self.wait(datetime.timedelta(0))
+        torch.cuda.current_stream().wait_event(self.done_event)
 
     def join(self) -> None:
         """Until the thread has ended (its errors are for its own waiter to raise)."""
@@ -336,9 +338,6 @@ class _Background:
 def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
     """Block the host until ``work`` is done, ``timeout_s`` at most (RuntimeError past it); on CUDA
     tensors the compute stream then waits for it too (which returns at once: it is done)."""
-    if isinstance(work, _Background):
-        _wait_background(work, tensor, timeout_s)
-        return
     if not tensor.is_cuda:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         return
@@ -348,22 +347,6 @@ def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
             raise RuntimeError(f"timed out after {timeout_s}s")
         time.sleep(POLL_S)
     _block_current_stream(work)
-
-
-def _wait_background(work: _Background, tensor: Tensor, timeout_s: float) -> None:
-    """A coded all-reduce: its thread ends once every collective has been issued (CUDA) or done
-    (CPU); on CUDA the compute stream then waits for the side stream's last event, polled first by
-    the host up to the same deadline."""
-    deadline = time.monotonic() + timeout_s
-    work.wait(datetime.timedelta(seconds=timeout_s))
-    if not tensor.is_cuda:
-        return
-    done = work.done_event
-    while not done.query():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s}s")
-        time.sleep(POLL_S)
-    torch.cuda.current_stream(tensor.device).wait_event(done)
 
 
 def _block_current_stream(work: Any) -> None:
