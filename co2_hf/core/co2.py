@@ -34,6 +34,7 @@ One fp32 communication buffer carries ``D`` in and ``d`` out; scratch memory is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -58,9 +59,10 @@ logger = logging.getLogger(__name__)
 TIMEOUT_CHECK_BOUNDARY = 3  # co2_timeout_s is compared with the round timed between boundaries 2 and 3
 FRESH = NoPenalty()  # an update whose base is still the anchor is not stale: P = 1
 # How pop_metrics combines a round's per-fragment means into one figure per metric (default: sum:
-# seconds add up over a round, and so do the fragments' shares of the mean penalty)
+# seconds add up over a round's fragments)
 ROOT_SUM_SQUARE = ("outer_grad_norm", "momentum_norm")  # norms of the whole outer vectors
 MEAN = ("clip_ratio",)
+PENALTY = ("penalty_sum", "penalty_elements")  # summed over the window: penalty_mean is their ratio
 
 
 class CO2:
@@ -99,6 +101,7 @@ class CO2:
             sharded_params=has_dtensors(model),
         )
         self.comm = comm
+        self.config = cfg = _fit_default_fragments(cfg, model, comm.worker_size)
         self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
         self.device, pinned = device, pin_state(model, device)
         self.live = LiveTensors(self.layout, comm, device, pin_memory=pinned)
@@ -292,6 +295,15 @@ class CO2:
         self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])  # floats too
         p.round = p.round_step = 0
 
+    @torch.no_grad()
+    def adopt_model(self) -> None:
+        """Take the model's current values as the anchor, on every rank (from the first, as at the end
+        of the warm-up): after other weights were loaded into a finalized model (the Trainer's
+        ``load_best_model_at_end``), so that saving and evaluating use them. Collective."""
+        if self._pending is not None:
+            raise RuntimeError("CO2.adopt_model with an outer all-reduce in flight: call finalize() first")
+        self._take_anchor()
+
     def anchor_state(self) -> dict[str, Tensor]:
         """The module's ``state_dict`` with every synchronised tensor taken from the anchor.
 
@@ -348,17 +360,29 @@ class CO2:
         return sum(t.numel() * t.element_size() for t in tensors) + parts
 
     def pop_metrics(self) -> dict[str, float]:
-        """Mean of each per-round metric since the last call, plus the running counters. With
-        fragments, each fragment's means are combined into a round's figure: seconds and the
-        penalty's shares summed, norms as the root of the summed squares, the clip ratio averaged."""
-        per_part = [{k: sum(v) / len(v) for k, v in part._metrics.items() if v} for part in self.fragments]
-        out = {f"co2/{k}": _combine(k, [m[k] for m in per_part if k in m]) for k in set().union(*per_part)}
+        """Each per-round metric over the rounds since the last call, plus the running counters.
+
+        With fragments a round is F fragment boundaries, and a logging window need not hold whole
+        rounds (every 10 steps at tau 12 holds 10 of the 12 fragments' boundaries): each figure is
+        made from the fragments that had a boundary in the window, scaled to a whole round, so that
+        it means the same at any logging interval. Seconds: the fragments' mean waits summed and
+        scaled by F / (fragments present); norms: the root of their mean squares summed, scaled
+        alike; the clip ratio: the fragments' mean; the penalty: its mean over every parameter
+        element that received an update in the window (exactly 1 without a penalty)."""
+        per_part = [part.pop_metric_means() for part in self.fragments]
+        present = [m for m in per_part if m]
+        out: dict[str, float] = {}
+        if present:
+            scale = len(self.fragments) / len(present)
+            for name in set().union(*present) - set(PENALTY):
+                out[f"co2/{name}"] = _combine(name, [m[name] for m in present if name in m], scale)
+            elements = sum(m.get("penalty_elements", 0.0) for m in present)
+            if elements > 0:
+                out["co2/penalty_mean"] = sum(m.get("penalty_sum", 0.0) for m in present) / elements
         if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
             out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
         out["co2/amp_skipped_steps"] = float(self.progress.amp_skipped_steps)
         out["co2/skipped_rounds"] = float(self.skipped_rounds)
-        for part in self.fragments:
-            part._metrics.clear()
         return out
 
     # ------------------------------------------------------------------ checkpoints (core/state.py)
@@ -427,6 +451,28 @@ class CO2:
         }
 
 
+def _fit_default_fragments(cfg: CO2Config, model: nn.Module, worker_size: int) -> CO2Config:
+    """``co2_fragments`` unset means one fragment per inner step; a model with fewer elements per
+    process than that gets the most fragments it can hold (a divisor of tau), with a WARNING. A value
+    the user set is never changed: `FlatLayout` refuses it if it does not fit."""
+    if cfg.co2_fragments is not None or cfg.fragments == 1:
+        return cfg
+    available = FlatLayout.shard_numel_of(model, worker_size)
+    if cfg.fragments <= available:
+        return cfg
+    tau = cfg.co2_local_steps
+    fitted = max(d for d in range(1, tau + 1) if tau % d == 0 and d <= max(available, 1))
+    logger.warning(
+        "CO2: co2_fragments is not set, and its default (one fragment per inner step: co2_local_steps=%d) "
+        "is more than the %d element(s) of outer state each process holds; using co2_fragments=%d, the most "
+        "that fit and divide co2_local_steps. Set co2_fragments to choose.",
+        cfg.co2_local_steps,
+        available,
+        fitted,
+    )
+    return dataclasses.replace(cfg, co2_fragments=fitted)
+
+
 def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int):
     """The number of worker processes (checked against the config) and this process's flat layout."""
     if comm.worker_size != cfg.co2_worker_size:
@@ -461,14 +507,13 @@ def _nbytes(codec: Any) -> int:
     return 0 if codec is None else codec.nbytes()
 
 
-def _combine(name: str, values: list[float]) -> float:
-    if len(values) == 1:
-        return values[0]
-    if name in ROOT_SUM_SQUARE:
-        return math.sqrt(sum(v * v for v in values))
+def _combine(name: str, values: list[float], scale: float) -> float:
+    """One round's figure from the present fragments' means (``scale``: F / fragments present)."""
     if name in MEAN:
         return sum(values) / len(values)
-    return sum(values)
+    if name in ROOT_SUM_SQUARE:
+        return math.sqrt(scale * sum(v * v for v in values))
+    return scale * sum(values)
 
 
 def _check_timeout(timeout_s: float, compute_s: float, comm_s: float) -> None:

@@ -99,8 +99,7 @@ class FlatLayout:
         self.presharded = any(s.dtensor is not None for s in self.segments)
         if self.presharded:
             _check_all_params_sharded(self.segments)
-        # how many processes cut one flat vector into shards: none when FSDP2 already sharded it
-        split = 1 if self.presharded else worker_size
+        split = _split(self.segments, worker_size)
         offset = 0
         for segment in self.segments:
             segment.offset = offset
@@ -109,11 +108,11 @@ class FlatLayout:
         # every process's parameters together (of one worker): what per-element means divide by
         self.total_param_numel = sum(s.global_numel for s in self.segments if s.is_param)
         self.numel = offset
-        self.padded_numel = -(-offset // split) * split
+        self.shard_numel = _per_process(offset, split)
+        self.padded_numel = self.shard_numel * split
         self.worker_size = worker_size
         # the worker all-gathers the anchor to reset its live tensors (flat shards, not FSDP2's)
         self.gathers = split > 1
-        self.shard_numel = self.padded_numel // split
         self.chunk_numel = chunk_numel
         self.shard_index = shard_index
         if fragments > max(self.shard_numel, 1):
@@ -129,6 +128,12 @@ class FlatLayout:
         # the shard's parameter region is a prefix, because parameters come first
         self.param_local = min(max(self.param_numel - self.shard_start, 0), self.shard_numel)
         self.segment_numels = torch.tensor([s.global_numel for s in self.segments], dtype=torch.float64)
+
+    @staticmethod
+    def shard_numel_of(module: nn.Module, worker_size: int) -> int:
+        """``shard_numel`` of the layout of ``module``, without building it: the most fragments it can have."""
+        segments = synchronised_tensors(module)
+        return _per_process(sum(s.numel for s in segments), _split(segments, worker_size))
 
     def shard_chunks(self, shard_index: int) -> list[Chunk]:
         """The chunks of shard ``shard_index``, each with the live-tensor pieces inside it."""
@@ -233,6 +238,15 @@ class FragmentLayout(FlatLayout):
             for c in (whole if whole is not None else self.whole.shard_chunks(shard_index))
             if self.lo <= c.start < self.hi
         ]
+
+
+def _split(segments: list[Segment], worker_size: int) -> int:
+    """How many processes cut one flat vector into shards: none when FSDP2 already sharded it."""
+    return 1 if any(s.dtensor is not None for s in segments) else worker_size
+
+
+def _per_process(numel: int, split: int) -> int:
+    return -(-numel // split)
 
 
 def _check_all_params_sharded(segments: list[Segment]) -> None:

@@ -82,6 +82,17 @@ class Phases:
         self.last_comm_s = 0.0  # launch-to-completion of the last all-reduce received (this rank)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
+    def pop_metric_means(self) -> dict[str, float]:
+        """Each metric's mean over this fragment's boundaries since the last call (none: absent);
+        the penalty's sum and elements are summed instead, so that their ratio is the mean P."""
+        means = {
+            name: sum(values) / (1 if name.startswith("penalty_") else len(values))
+            for name, values in self._metrics.items()
+            if values
+        }
+        self._metrics.clear()
+        return means
+
     # ------------------------------------------------------------------ the phases
 
     def _receive(self) -> None:
@@ -142,7 +153,10 @@ class Phases:
         self._metrics["outer_grad_norm"].append(float(sums[-1]) ** 0.5)
         penalty_sum = penalty.scale_(d, m, sums[:-1])
         update.momentum_(m, d, cfg.co2_outer_momentum)
-        stats = self.comm.reduce_stats(torch.stack([update.norm_sq(m)[0], penalty_sum]))
+        # the worker's parameter elements in this fragment ride along, so that the penalty's mean
+        # can be weighed by them across fragments (CO2.pop_metrics)
+        count = torch.tensor(float(n), dtype=penalty_sum.dtype, device=penalty_sum.device)
+        stats = self.comm.reduce_stats(torch.stack([update.norm_sq(m)[0], penalty_sum, count]))
         ratio = update.clip_ratio(float(stats[0]), self.clip_threshold)
         if ratio < 1.0:
             m.mul_(ratio)
@@ -150,7 +164,8 @@ class Phases:
             update.nesterov_direction_(d, m, cfg.co2_outer_momentum)
         self._metrics["momentum_norm"].append(float(stats[0]) ** 0.5 * ratio)
         self._metrics["clip_ratio"].append(ratio)
-        self._metrics["penalty_mean"].append(float(stats[1]) / max(self.layout.total_param_numel, 1))
+        self._metrics["penalty_sum"].append(float(stats[1]))
+        self._metrics["penalty_elements"].append(float(stats[2]))
 
     def _exchange(self) -> bool:
         """Chunk by chunk: ``d = start - x``; ``a <- a - alpha*v`` when a D is waiting; buffer <- d.
