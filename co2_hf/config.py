@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,15 +23,21 @@ STATE_DEVICES = ("same", "cpu")
 # The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
 # only while they stay <= 256 (bfloat16 has 8 significant bits).
 MAX_BF16_WORKERS = 256
+# co2_timeout_s becomes process-group timeouts (datetime.timedelta, milliseconds in c10d) and thread
+# waits (threading.TIMEOUT_MAX): a year is far inside all of them and longer than any real wait.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def _knob(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
+# kw_only: mixed into TrainingArguments (CO2TrainingArguments), these fields must come after all of
+# TrainingArguments' own, so that ``CO2TrainingArguments("out")`` is ``output_dir="out"`` as with
+# ``TrainingArguments("out")``; a dataclass puts a base's keyword-only fields last in __init__.
+@dataclass(kw_only=True)
 class CO2Config:
-    """Settings of CO2 (arXiv 2401.16265), as defined in ``docs/algorithm.md``."""
+    """Settings of CO2 (arXiv 2401.16265), as defined in ``docs/algorithm.md``. Keyword arguments only."""
 
     co2_enabled: bool = _knob(
         True, "Train with CO2. False: plain data parallel through the same script (the baseline)."
@@ -123,7 +130,11 @@ class CO2Config:
 
     # Named validate_co2 (not validate) so that a TrainingArguments subclass can mix it in safely.
     def validate_co2(self) -> None:
-        """Raise ``ValueError`` naming the field, the value and what is allowed."""
+        """Raise ``ValueError`` naming the field, the value and what is allowed.
+
+        Numbers of other numeric types (``numpy.int64(4)``, ``numpy.float32(0.5)``) are accepted and
+        stored as Python ``int`` / ``float``, so that the config saves as JSON like any other."""
+        self._normalise_numbers()
         for name in ("co2_enabled", "co2_nesterov", "co2_overlap"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
         _check_int(self, "co2_local_steps", minimum=1)
@@ -171,7 +182,12 @@ class CO2Config:
             )
         self._validate_fragments()
         timeout = self.co2_timeout_s
-        _check("co2_timeout_s", timeout, _is_real(timeout) and timeout > 0, "a finite number > 0")
+        _check(
+            "co2_timeout_s",
+            timeout,
+            _is_real(timeout) and 0 < timeout <= MAX_TIMEOUT_S,
+            f"a finite number > 0 and <= {MAX_TIMEOUT_S:.0f} (one year)",
+        )
         for name, allowed in (
             ("co2_start_rule", START_RULES),
             ("co2_gap_penalty_mode", PENALTY_MODES),
@@ -181,6 +197,16 @@ class CO2Config:
         ):
             value = getattr(self, name)
             _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+
+    def _normalise_numbers(self) -> None:
+        for f in dataclasses.fields(CO2Config):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+                continue
+            if isinstance(value, numbers.Integral):
+                setattr(self, f.name, int(value))
+            elif isinstance(value, numbers.Real):
+                setattr(self, f.name, float(value))
 
     def _validate_fragments(self) -> None:
         fragments, tau = self.co2_fragments, self.co2_local_steps

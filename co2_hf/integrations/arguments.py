@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments
 from transformers.trainer_pt_utils import AcceleratorConfig
+from transformers.training_args import _convert_str_dict  # how TrainingArguments reads JSON flags
 
 from ..config import CO2Config
 
@@ -64,6 +65,7 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
     # a Trainer setting, not a CO2Config one: it changes what a resume may do, not the algorithm
     co2_elastic: bool = field(
         default=False,
+        kw_only=True,  # like CO2Config's fields: after every positional field of TrainingArguments
         metadata={
             "help": "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
             "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
@@ -134,8 +136,7 @@ def _warn_changed_settings(
         warn(
             f"CO2 with a single worker ({args.world_size} process(es), co2_worker_size={args.co2_worker_size}): "
             "there is nobody to average with, so the outer step only replays this worker's own progress. "
-            "Launch several processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N), "
-            "or pass --co2_enabled false."
+            f"{_launch_hint()}, or pass --co2_enabled false."
         )
     if args.hub_strategy == "checkpoint":
         warnings.warn(
@@ -143,6 +144,18 @@ def _warn_changed_settings(
             "holds every rank's local parameters and optimizer state (co2_rank*.pt)",
             stacklevel=4,
         )
+
+
+def _launch_hint() -> str:
+    """How to start N processes here. Without GPUs, ``accelerate launch --num_processes N`` and no
+    config file still starts one process (it needs --multi_cpu or a config that says so)."""
+    if torch.accelerator.is_available():
+        return "Launch several processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N)"
+    return (
+        "Launch several processes: on CPUs torchrun --nproc_per_node N, or accelerate launch --config_file "
+        "with a multi-CPU config (recipes/accelerate_configs/cpu_2proc.yaml in the co2_hf repository; "
+        "accelerate launch --num_processes N alone starts one process on a machine without GPUs)"
+    )
 
 
 def _ddp_timeout_given(args: CO2TrainingArguments) -> bool:
@@ -240,10 +253,22 @@ def _fsdp_options(fsdp: bool | str | list | None) -> list[str]:
     return [getattr(o, "value", o) for o in fsdp] if isinstance(fsdp, (list, tuple)) else []  # enum members too
 
 
+def _inline_json(flag: str, text: str) -> dict:
+    """A dict flag given as JSON on the command line, read as ``TrainingArguments.__post_init__``
+    reads it (which runs after CO2's checks): ``json.loads``, then its conversion of "true"-like strings."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{flag}={text!r} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}={text!r} must be a JSON object")
+    return _convert_str_dict(value)
+
+
 def _fsdp_config(config: dict | str | None) -> dict:
     """``fsdp_config`` as TrainingArguments reads it: a dict, a JSON string or a JSON file."""
     if isinstance(config, str) and config.startswith("{"):
-        config = json.loads(config)
+        config = _inline_json("fsdp_config", config)
     elif isinstance(config, str):
         with open(config, encoding="utf-8") as f:
             config = json.load(f)
@@ -254,9 +279,16 @@ def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
     """Checked here, before TrainingArguments builds its AcceleratorConfig and with it the default
     process group; we build that config the same way (from a dict or a JSON file) to look inside."""
     config = args.accelerator_config
+    if isinstance(config, str) and config.startswith("{"):  # inline JSON, as TrainingArguments reads it
+        config = _inline_json("accelerator_config", config)
     if isinstance(config, dict):
         config = AcceleratorConfig(**config)
     elif isinstance(config, str):
+        if not os.path.isfile(config):
+            raise ValueError(
+                f"accelerator_config={config!r} is neither inline JSON (starting with '{{') nor an existing "
+                "JSON file"
+            )
         config = AcceleratorConfig.from_json_file(config)
     if config is None:
         config = AcceleratorConfig()
