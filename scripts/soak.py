@@ -94,7 +94,7 @@ def _arm(trainer, fault: dict, out: str) -> None:
     """Make this rank signal itself at ``fault["step"]``, after the optimizer step or inside the save."""
     from transformers import TrainerCallback
 
-    from co2_hf.integrations import checkpoint
+    from co2_hf.integrations import checkpoint, publish
 
     def strike() -> None:
         _write_json(os.path.join(out, "fault.json"), {**fault, "at": time.time()})
@@ -110,15 +110,19 @@ def _arm(trainer, fault: dict, out: str) -> None:
 
         trainer.add_callback(Strike())
         return
-    name = {"rank_file": "save_rank_state", "publish": "publish", "rename": "_rename"}[fault["where"]]
-    original = getattr(checkpoint, name)
+    module, name = {
+        "rank_file": (checkpoint, "save_rank_state"),
+        "publish": (publish, "publish"),
+        "rename": (publish, "_rename"),
+    }[fault["where"]]
+    original = getattr(module, name)
 
     def struck(*args, **kwargs):
         if trainer.state.global_step == fault["step"]:
             strike()
         return original(*args, **kwargs)
 
-    setattr(checkpoint, name, struck)
+    setattr(module, name, struck)
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -207,7 +211,8 @@ def _cycle(out: str, config: dict, fault: dict) -> dict:
         "survivor_stopped_after_s": round(outcome["result"]["at"] - struck["at"], 2),
         "survivor_error": outcome["result"]["error"].splitlines()[0][:200],
         "visible_checkpoints": [os.path.basename(p) for p in visible],
-        "staged_leftovers": sorted(os.listdir(os.path.join(out, "_co2_staging")))
+        # each save stages in its own <name>.<token>: the names, without the token
+        "staged_leftovers": sorted(e.rpartition(".")[0] for e in os.listdir(os.path.join(out, "_co2_staging")))
         if os.path.isdir(os.path.join(out, "_co2_staging"))
         else [],
         "wall_s": round(time.time() - start, 1),

@@ -33,7 +33,7 @@ def loop(rank: int, world: int, out: str, *, save_at: int | None = None, resume:
     start, local_collectives = 0, []
     with CO2Accelerate(accelerator, model, optimizer, config=CO2Config(**CFG)) as co2:
         if resume:
-            accelerator.load_state(out)
+            co2.load_state(out)
             start = SAVE_AT
         for step in range(start, STEPS):
             before = _default_group_seq()
@@ -64,12 +64,17 @@ def resumed(rank: int, world: int, out: str) -> dict:
 
 
 def refused_loads(rank: int, world: int, folders: str) -> dict:
-    """``accelerator.load_state`` of each damaged copy under ``folders``: its error, and whether
-    anything had been loaded before the refusal."""
+    """``co2.load_state`` of each damaged or hostile copy under ``folders``: its error, and whether
+    anything had been loaded before the refusal; then what else must be refused on every rank: a
+    plain ``accelerator.load_state`` of a CO2 folder, a save into a folder of the user's, a save after
+    the ``with`` block, an exception that is not a ValueError on one rank, per-node disks that hold
+    different steps."""
     import glob
     import os
 
     from accelerate import Accelerator
+
+    from co2_hf.integrations import publish
 
     _env(rank, world)
     accelerator = Accelerator(cpu=True)
@@ -77,14 +82,33 @@ def refused_loads(rank: int, world: int, folders: str) -> dict:
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
-    CO2Accelerate(accelerator, model, optimizer, config=CO2Config(**CFG))
+    co2 = CO2Accelerate(accelerator, model, optimizer, config=CO2Config(**CFG))
     before = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     errors = {}
     for folder in sorted(glob.glob(os.path.join(folders, "*"))):
-        try:
-            accelerator.load_state(folder)
-            errors[os.path.basename(folder)] = None
-        except ValueError as refused:
-            errors[os.path.basename(folder)] = str(refused)
+        errors[os.path.basename(folder)] = _error(co2.load_state, folder)
     after = accelerator.unwrap_model(model).state_dict()
-    return {"errors": errors, "untouched": all(torch.equal(after[k], v) for k, v in before.items())}
+    untouched = all(torch.equal(after[k], v) for k, v in before.items())
+    refused = {
+        "plain_load_state": _error(accelerator.load_state, os.path.join(folders, "hostile_custom_object")),
+        "save_into_users_folder": _error(co2.save_state, os.path.join(os.path.dirname(folders), "users")),
+        "one_rank_oserror": _error(publish.agree, _fails_on_rank_1, rank),
+        "different_steps": _error(publish.agree_on_checkpoint, "ckpt", step=6 + rank, digest="d", leader=0),
+    }
+    with co2:
+        pass
+    refused["save_after_the_block"] = _error(co2.save_state, os.path.join(folders, "late"), kind=RuntimeError)
+    return {"errors": errors, "untouched": untouched, "refused": refused}
+
+
+def _error(call, *args, kind: type = ValueError, **kwargs) -> str | None:
+    try:
+        call(*args, **kwargs)
+    except kind as refused:
+        return str(refused)
+    return None
+
+
+def _fails_on_rank_1(rank: int) -> None:
+    if rank == 1:
+        raise OSError(5, "Input/output error", "co2_rank1.pt")

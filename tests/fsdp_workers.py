@@ -169,7 +169,7 @@ def trainer_fsdp_suite(rank: int, world: int, out: str) -> dict:
 
 def accelerate_fsdp_run(rank: int, world: int, out: str, *, save_at: int | None, load: bool) -> dict:
     """A custom Accelerate loop with FSDP2 inside workers of 2: 12 steps; optionally saved with
-    ``co2.save_state`` at ``save_at`` and loaded back with ``accelerator.load_state`` right away
+    ``co2.save_state`` at ``save_at`` and loaded back with ``co2.load_state`` right away
     (into a model moved elsewhere in between), which must not change the run at all."""
     from accelerate import Accelerator
     from trainer_workers import _env, tiny_gpt2
@@ -202,7 +202,7 @@ def accelerate_fsdp_run(rank: int, world: int, out: str, *, save_at: int | None,
                         for p in model.parameters():
                             p.to_local().add_(1.0)
                     optimizer.state.clear()
-                    accelerator.load_state(f"{out}/ckpt")
+                    co2.load_state(f"{out}/ckpt")
     return _whole_state(model)
 
 

@@ -30,7 +30,7 @@ def test_no_collective_on_the_default_group_during_local_steps(runs):
 @pytest.mark.timeout(320)
 def test_each_rank_saved_its_own_optimizer_state(runs):
     out, _, _ = runs
-    states = [torch.load(os.path.join(out, f"co2_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+    states = [torch.load(os.path.join(out, f"co2_rank{r}.pt"), weights_only=True) for r in (0, 1)]
     moments = [s["optimizer"]["state"][0]["exp_avg"] for s in states]
     assert not torch.equal(moments[0], moments[1])  # the ranks' Adam moments differ
     assert torch.equal(states[0]["co2"]["anchor"], states[1]["co2"]["anchor"])
@@ -60,7 +60,7 @@ def test_saved_model_file_is_the_anchor(runs):
 
     out, _, _ = runs
     weights = load_file(os.path.join(out, "model.safetensors"))
-    anchor = torch.load(os.path.join(out, "co2_rank0.pt"), weights_only=False)["co2"]["anchor"]
+    anchor = torch.load(os.path.join(out, "co2_rank0.pt"), weights_only=True)["co2"]["anchor"]
     key = next(k for k in weights if k.endswith("wte.weight"))
     assert torch.equal(weights[key].reshape(-1), anchor[: weights[key].numel()])
     assert SAVE_AT == 6
@@ -205,23 +205,91 @@ def test_accelerate_loop_recipe_runs_the_baseline(tmp_path):
     assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "co2_config.json").exists()
 
 
-@pytest.mark.timeout(320)
-def test_load_state_refuses_a_same_size_corruption_naming_the_file_on_every_rank(runs, tmp_path):
-    """8 bytes overwritten in the middle of a rank file, the model or the optimizer: every rank
-    refuses before Accelerate loads anything (rank 0 says rank 1 refused its own file)."""
+@pytest.fixture(scope="module")
+def refusals(runs, tmp_path_factory):
+    """Damaged and hostile copies of the saved folder, loaded on 2 processes (`refused_loads`)."""
     import shutil
 
     from reliability_workers import corrupt
+    from test_trust import Payload, rehash, rewrite_manifest
 
     out, _, _ = runs
-    damaged = ["co2_rank1.pt", "model.safetensors", "optimizer.bin"]
-    for name in damaged:
-        shutil.copytree(out, tmp_path / name)
-        corrupt(str(tmp_path / name / name))
-    ranks = run_processes(refused_loads, 2, str(tmp_path), timeout_s=150)
+    root = tmp_path_factory.mktemp("refusals")
+    folders = root / "folders"
+    for name in DAMAGED:
+        shutil.copytree(out, folders / name)
+        corrupt(str(folders / name / name))
+    for case, name in HOSTILE.items():  # a payload, with the manifest rewritten to match it
+        folder = folders / case
+        shutil.copytree(out, folder)
+        if name == "co2_rank1.pt":
+            torch.save({"co2": Payload(str(root / "code_ran")), "model": {}, "optimizer": None, "scaler": None},
+                       folder / name)
+        else:
+            torch.save(Payload(str(root / "code_ran")), folder / name)
+        rewrite_manifest(str(folder), rehash(str(folder)))
+        if name not in json.loads((folder / "co2_manifest.json").read_text())["files"]:
+            rewrite_manifest(str(folder), _list(name, str(folder)))
+    (root / "users").mkdir()
+    (root / "users" / "notes.txt").write_text("mine")
+    ranks = run_processes(refused_loads, 2, str(folders), timeout_s=150)
+    return root, ranks
+
+
+DAMAGED = ["co2_rank1.pt", "model.safetensors", "optimizer.bin"]
+# accelerate's custom-object file (loaded with weights_only off, were an object registered) and a rank file
+HOSTILE = {"hostile_custom_object": "custom_checkpoint_0.pkl", "hostile_rank_file": "co2_rank1.pt"}
+
+
+def _list(name: str, folder: str):
+    from co2_hf.integrations import publish
+
+    def change(manifest):
+        path = os.path.join(folder, name)
+        manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": publish.file_checksum(path)}
+        return manifest
+
+    return change
+
+
+@pytest.mark.timeout(320)
+def test_load_state_refuses_a_same_size_corruption_naming_the_file_on_every_rank(refusals):
+    """8 bytes overwritten in the middle of a rank file, the model or the optimizer: every rank
+    refuses before Accelerate loads anything (rank 0 says rank 1 refused its own file)."""
+    _, ranks = refusals
     for rank, result in enumerate(ranks):
         assert result["untouched"], rank
-        for name in damaged:
+        for name in DAMAGED:
             error = result["errors"][name]
             assert error is not None and f"is corrupted: {name} has sha256" in error, (rank, name, error)
     assert ranks[0]["errors"]["co2_rank1.pt"].startswith("rank 1 refused the checkpoint: ")
+
+
+@pytest.mark.timeout(320)
+def test_nothing_in_a_hostile_checkpoint_runs(runs, refusals):
+    """No custom-object pickle is written or read; a rank file carrying a payload, with a manifest
+    rewritten to match, is refused on every rank naming it, before the payload runs."""
+    out, _, _ = runs
+    root, ranks = refusals
+    assert not [n for n in os.listdir(out) if n.startswith("custom_checkpoint")]
+    for rank, result in enumerate(ranks):
+        # a custom-object file is never opened: refused, as no object is registered
+        assert "1 custom-object file(s) (custom_checkpoint_0.pkl) and 0 object(s) are registered" in (
+            result["errors"]["hostile_custom_object"]
+        ), rank
+        error = result["errors"]["hostile_rank_file"]
+        assert "co2_rank1.pt holds something other than tensors" in error, (rank, error)
+        assert "co2.load_state" in result["refused"]["plain_load_state"], rank
+    assert not (root / "code_ran").exists()
+
+
+@pytest.mark.timeout(320)
+def test_refusals_reach_every_rank_at_once(refusals):
+    root, ranks = refusals
+    for rank, result in enumerate(ranks):
+        refused = result["refused"]
+        assert "holds files CO2 did not write there (notes.txt)" in refused["save_into_users_folder"], rank
+        assert "OSError: [Errno 5] Input/output error: 'co2_rank1.pt'" in refused["one_rank_oserror"], rank
+        assert "from different steps (rank 0: step 6, rank 1: step 7)" in refused["different_steps"], rank
+        assert "save_state after its with block" in refused["save_after_the_block"], rank
+    assert os.listdir(root / "users") == ["notes.txt"]

@@ -133,7 +133,7 @@ def test_trainer_with_fsdp2_resumes_a_four_process_checkpoint_on_two_with_co2_el
     tmp_path, _ = hf_runs
     saved, out = tmp_path / "trainer" / "resume", tmp_path / "elastic"
     runs = run_processes(trainer_fsdp_elastic, 2, str(saved), str(out), timeout_s=200)
-    state = torch.load(saved / "checkpoint-6" / "co2_rank0.pt", weights_only=False)["co2"]
+    state = torch.load(saved / "checkpoint-6" / "co2_rank0.pt", weights_only=True)["co2"]
     (fragment,) = state["fragments"]
     for run in runs:
         assert run["fsdp_type"].startswith("FSDP") and run["step"] == 12 and run["live_is_anchor"]

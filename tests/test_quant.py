@@ -228,7 +228,7 @@ def test_the_trainer_resumes_an_int8_wire_bit_for_bit_from_its_checkpoint(tmp_pa
 
     out = str(tmp_path / "int8")
     runs = run_processes(stopped_then_resumed_in_process, 2, out, {"co2_comm_dtype": "int8"}, timeout_s=200)
-    saved = torch.load(f"{out}/checkpoint-{STOP_AT}/co2_rank0.pt", weights_only=False)["co2"]
+    saved = torch.load(f"{out}/checkpoint-{STOP_AT}/co2_rank0.pt", weights_only=True)["co2"]
     assert all(fragment["residuals"]["sent"].abs().sum() > 0 for fragment in saved["fragments"])
     for rank in runs:
         assert rank["stopped_at"] == STOP_AT

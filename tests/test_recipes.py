@@ -353,6 +353,23 @@ def test_one_json_file_of_arguments_keeps_the_recipe_defaults(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_resume_true_in_a_json_file_means_the_last_checkpoint_and_block_size_zero_is_refused(tmp_path):
+    import pretrain_gpt
+
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "resume_from_checkpoint": True}))
+    with pytest.raises(ValueError, match="--resume_from_checkpoint true: --output_dir .* holds no checkpoint-N"):
+        pretrain_gpt.parse([str(path)])
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-12").mkdir()
+    assert pretrain_gpt.parse([str(path)])[2].resume_from_checkpoint == str(tmp_path / "checkpoint-12")
+    flags = ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"]
+    assert pretrain_gpt.parse(flags)[2].resume_from_checkpoint == str(tmp_path / "checkpoint-12")
+    with pytest.raises(ValueError, match="--block_size=0: allowed values are integers >= 1"):
+        pretrain_gpt.parse(["--output_dir", str(tmp_path), "--block_size", "0"])
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_bar_shows_in_a_terminal_unless_turned_off(monkeypatch, tmp_path, tty):
     import pretrain_gpt

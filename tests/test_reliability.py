@@ -356,8 +356,9 @@ def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soak
 
 
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
-def test_a_manifest_without_checksums_is_still_read_with_a_warning(soaked, tmp_path, caplog):
-    """Format 1 (sizes only, saved before checksums): accepted, never silently; sizes still checked."""
+def test_a_manifest_without_checksums_is_refused(soaked, tmp_path):
+    """Format 1 (sizes only, saved before checksums) cannot say whether its files are the ones saved:
+    refused, saying what to do, never read with hashing turned off."""
     out, _ = soaked
     folder = str(tmp_path / "format1")
     shutil.copytree(os.path.join(out, "faulted", "checkpoint-40"), folder)
@@ -367,12 +368,8 @@ def test_a_manifest_without_checksums_is_still_read_with_a_warning(soaked, tmp_p
     manifest.update(format=1, files={name: entry["bytes"] for name, entry in manifest["files"].items()})
     with open(path, "w") as f:
         json.dump(manifest, f)
-    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+    with pytest.raises(ValueError, match="format 1 lists sizes without checksums.*from_pretrained"):
         checkpoint.read_rank_state(folder, 0, 2)
-    assert "of format 1 (sizes only" in caplog.text and "same-size corruption cannot be detected" in caplog.text
-    _truncate(os.path.join(folder, "co2_rank1.pt"))
-    with pytest.raises(ValueError, match="co2_rank1.pt has 10 bytes"):
-        checkpoint.read_rank_state(folder, 1, 2)
 
 
 def _truncate(path: str) -> None:
@@ -467,3 +464,17 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
         with pytest.raises(ValueError, match=rf"is corrupted: {re.escape(name)} has sha256"):
             again.train(resume_from_checkpoint=str(folder))
         assert again.state.global_step == 0 and again.co2 is None  # before CO2 or training started
+    # a payload in the rank file, the manifest rewritten to match: refused before it runs
+    from test_trust import Payload, rehash, rewrite_manifest
+
+    hostile, marker = tmp_path / "hostile", str(tmp_path / "code_ran")
+    shutil.copytree(tmp_path / "run" / "checkpoint-4", hostile)
+    torch.save({"co2": Payload(marker), "model": {}, "optimizer": None, "scaler": None}, hostile / "co2_rank0.pt")
+    rewrite_manifest(str(hostile), rehash(str(hostile)))
+    args = make_args(str(tmp_path / "again"), max_steps=8)
+    again = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    with pytest.raises(ValueError, match="co2_rank0.pt holds something other than tensors"):
+        again.train(resume_from_checkpoint=str(hostile))
+    assert not os.path.exists(marker) and again.state.global_step == 0
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*no_such_folder: no such folder"):
+        again.train(resume_from_checkpoint=str(tmp_path / "no_such_folder"))

@@ -26,7 +26,7 @@ from co2_hf import CO2Trainer, CO2TrainingArguments
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("trainer"))
-    return out, run_processes(two_process_suite, 2, out, timeout_s=200)
+    return out, run_processes(two_process_suite, 2, out, timeout_s=230)
 
 
 @pytest.mark.timeout(240)
@@ -67,6 +67,23 @@ def test_co2_metrics_reach_the_log_history(suite):
     ):
         assert f"co2/{key}" in later, key
     assert any("eval_loss" in entry for entry in history[:-2])  # evaluated mid-run
+
+
+@pytest.mark.timeout(240)
+def test_load_best_model_at_end_saves_and_evaluates_the_best_checkpoint_bit_for_bit(suite):
+    """As with the plain Trainer: after training with ``load_best_model_at_end`` the model is the best
+    checkpoint's (step 4 here, not the last round's anchor), in ``save_model`` and in ``evaluate``."""
+    from safetensors.torch import load_file
+
+    out, ranks = suite
+    best = os.path.join(out, "best", "checkpoint-4")
+    for result in (r["best"] for r in ranks):
+        assert result["best"] == best
+        assert result["evaluated_after"] == result["evals"][4]  # the best checkpoint's own evaluation
+        assert result["evaluated_after"] != result["evals"][12]
+    saved = load_file(os.path.join(out, "best", "saved", "model.safetensors"))
+    kept = load_file(os.path.join(best, "model.safetensors"))
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in kept)
 
 
 @pytest.mark.timeout(240)
@@ -121,7 +138,7 @@ def test_checkpoint_model_files_hold_the_anchor(suite):
     out, _ = suite
     checkpoint = os.path.join(out, "resume", f"checkpoint-{STOP_AT}")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    state = torch.load(os.path.join(checkpoint, "co2_rank0.pt"), weights_only=False)
+    state = torch.load(os.path.join(checkpoint, "co2_rank0.pt"), weights_only=True)
     anchor, local = state["co2"]["anchor"], state["model"]
     wte = model.transformer.wte.weight.detach().reshape(-1)
     assert torch.equal(wte, anchor[: wte.numel()])  # the first synchronised tensor
@@ -135,7 +152,7 @@ def test_with_co2_elastic_a_two_process_checkpoint_resumes_on_one_and_on_three(s
     out, _ = suite
     saved = os.path.join(out, "resume")
     ckpt = os.path.join(saved, f"checkpoint-{STOP_AT}")
-    rank_files = [torch.load(os.path.join(ckpt, f"co2_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+    rank_files = [torch.load(os.path.join(ckpt, f"co2_rank{r}.pt"), weights_only=True) for r in (0, 1)]
     one = [resumed_on_another_world(0, 1, saved, str(tmp_path / "one"))]  # in this process
     three = run_processes(resumed_on_another_world, 3, saved, str(tmp_path / "three"), timeout_s=300)
     for runs, target, words in ((one, "one", "seen a second time"), (three, "three", "skipped")):
@@ -343,6 +360,7 @@ PRIVATE_TRAINER_API = {
     "_get_output_dir": ["self", "trial"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_push_from_checkpoint": ["self", "checkpoint_folder"],
+    "_load_best_model": ["self"],
 }
 
 

@@ -51,7 +51,7 @@ def test_sft_outputs_are_the_anchor(sft):
     assert all(torch.equal(saved[k], v) for k, v in ranks[0]["final"].items() if k in saved)
     middle = os.path.join(out, "checkpoint-6")  # mid-round: the model files hold the anchor, not rank 0's
     model = AutoModelForCausalLM.from_pretrained(middle)
-    state = torch.load(os.path.join(middle, "co2_rank0.pt"), weights_only=False)
+    state = torch.load(os.path.join(middle, "co2_rank0.pt"), weights_only=True)
     wte = model.transformer.wte.weight.detach().reshape(-1)
     assert torch.equal(wte, state["co2"]["anchor"][: wte.numel()])
     assert not torch.equal(state["model"]["transformer.wte.weight"].reshape(-1), wte)

@@ -211,11 +211,30 @@ def stopped_then_resumed_in_process(rank: int, world: int, out: str, overrides: 
     return {**first, "final": resumed(rank, world, out, overrides)}
 
 
+def best_model_run(rank: int, world: int, out: str) -> dict:
+    """``load_best_model_at_end`` with a metric whose best is the first checkpoint (the loss, higher
+    is better): after training the model, ``evaluate`` and ``save_model`` must be that checkpoint's."""
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    every = dict(save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, save_total_limit=2)
+    best = dict(load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    args = make_args(out, **every, **best)
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(64, seed=1))
+    trainer.train()
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}  # in training
+    evaluated = trainer.evaluate()["eval_loss"]
+    trainer.save_model(out + "/saved")
+    torch.distributed.barrier()  # rank 0 writes the folder
+    return {"best": trainer.state.best_model_checkpoint, "evals": evals, "evaluated_after": evaluated}
+
+
 def two_process_suite(rank: int, world: int, out: str) -> dict:
     return {
         "co2": co2_run(rank, world, out + "/co2"),
         "disabled": disabled_versus_plain(rank, world, out + "/dp"),
         "resume": uninterrupted_and_stopped(rank, world, out + "/resume"),
+        "best": best_model_run(rank, world, out + "/best"),
     }
 
 

@@ -24,13 +24,19 @@ the anchor (a WARNING says so): resume from the last ``save_state``. Call ``co2.
 
 Inside the ``with`` block the DDP wrapper (if any) is kept in ``no_sync``, so no collective crosses
 workers during local steps (DDP also skips its buffer broadcast then); during
-``co2_sync_warmup_steps`` DDP synchronises as usual. Checkpoints go through
-``accelerator.save_state`` / ``load_state``: a save hook puts the anchor in the model file and
-makes every rank write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2
-state), which a registered checkpoint object restores after Accelerate has loaded the rest.
-``co2.save_state(folder)`` does the same atomically: the folder appears only once complete, with a
-manifest of sizes and checksums that ``load_state`` checks before reading anything, refusing a
-missing, truncated or corrupted file by name (a plain ``accelerator.save_state`` folder has none).
+``co2_sync_warmup_steps`` DDP synchronises as usual.
+
+Checkpoints: ``co2.save_state(folder)`` and ``co2.load_state(folder)``, inside the block. Saving
+wraps ``accelerator.save_state``: a save hook puts the anchor in the model file and makes every rank
+write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2 state), and the
+folder appears only once complete, with a manifest of sizes and checksums (``publish.py``); a folder
+holding other files is refused, never replaced. Loading checks the folder on every rank before
+anything is read (refusing a missing, truncated, corrupted or unlisted file by name), runs
+``accelerator.load_state``, then restores this rank's own file, read with ``weights_only=True``.
+Nothing is registered with ``accelerator.register_for_checkpointing``: Accelerate unpickles those
+objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code. A plain
+``accelerator.save_state`` inside the block writes the rank files too (no manifest); a plain
+``accelerator.load_state`` of a folder with rank files is refused, naming ``co2.load_state``.
 
 FSDP2 inside a worker (``co2_worker_size = k``): shard the model with ``fully_shard(module,
 mesh=co2_hf.core.worker_mesh(k, timeout_s=co2_timeout_s))`` before making the optimizer, and prepare it with
@@ -41,6 +47,7 @@ gradients). Checkpoints then hold each rank's own shards; the model file is the 
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 from collections import OrderedDict
@@ -50,7 +57,7 @@ import torch
 
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint, model_card
+from . import checkpoint, model_card, publish
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,11 @@ class CO2Accelerate:
         config: CO2Config | None = None,
         enabled: bool = True,
     ):
+        if config is not None and not isinstance(config, CO2Config):
+            raise TypeError(
+                f"CO2Accelerate(config=...) takes a CO2Config, not a {type(config).__name__}: pass "
+                "config=CO2Config(co2_local_steps=12, ...) (CO2Config(**settings) from a dict)"
+            )
         self.config = config if config is not None else CO2Config()
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.module = accelerator.unwrap_model(model)
@@ -93,13 +105,15 @@ class CO2Accelerate:
             )
         inner = getattr(optimizer, "optimizer", optimizer)
         self.co2 = CO2(self.module, self.config, optimizer=inner)
-        self._load_dir: str | None = None
+        self._loading: str | None = None  # the folder `load_state` is loading, checked already
+        self._closed = False
         self._skipped_loads: _SkippedLoads | None = None
+        # No object registered for accelerate's checkpointing: accelerate unpickles those with
+        # full pickles (weights_only off). This rank's state comes back in `load_state`, after theirs.
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._save_hook),
             accelerator.register_load_state_pre_hook(self._load_hook),
         ]
-        accelerator.register_for_checkpointing(_RankStateRestorer(self))
 
     def __enter__(self) -> CO2Accelerate:
         if self.co2 is not None and not self.co2.in_warmup:
@@ -110,6 +124,7 @@ class CO2Accelerate:
         self._no_sync.close()
         for hook in self._hooks:
             hook.remove()
+        self._closed = True
         if self.co2 is None:
             return
         if exc_type is None:
@@ -177,12 +192,14 @@ class CO2Accelerate:
         accelerator.wait_for_everyone()
 
     def save_state(self, output_dir: str, **kwargs: Any) -> None:
-        """``accelerator.save_state(output_dir)``, made atomic: written into a staging folder and
-        renamed to ``output_dir`` only once every rank's files are there (``checkpoint.publish``).
-        Collective: every rank calls it. Disabled: ``accelerator.save_state`` as it is."""
+        """``accelerator.save_state(output_dir)``, made atomic: written into a staging folder beside
+        it and renamed to ``output_dir`` only once every rank's files are there (``publish.py``). An
+        ``output_dir`` holding files CO2 did not write is refused, not replaced. Collective: every rank
+        calls it, inside the ``with`` block. Disabled: ``accelerator.save_state`` as it is."""
         if self.co2 is None:
             self.accelerator.save_state(output_dir, **kwargs)
             return
+        self._check_open("save_state", "co2.save_pretrained(folder) saves the final model")
         accelerator, project = self.accelerator, self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             raise ValueError(
@@ -192,10 +209,63 @@ class CO2Accelerate:
             )
         rank = accelerator.process_index
         leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
-        staging = checkpoint.begin_save(output_dir, is_leader=rank == leader)
+        staging = publish.begin_save(output_dir, rank=rank, leader=leader)
         accelerator.save_state(staging, **kwargs)
-        world, step = accelerator.num_processes, self.co2.inner_steps
-        checkpoint.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step)
+        world, step, own = accelerator.num_processes, self.co2.inner_steps, checkpoint.RANK_FILE.format(rank=rank)
+        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own)
+
+    def load_state(self, input_dir: str, **kwargs: Any) -> None:
+        """``accelerator.load_state(input_dir)``, then this rank's own state (local parameters, inner
+        optimizer, scaler, CO2's outer state) from its ``co2_rank{r}.pt``: an exact resume. The folder
+        is checked first, on every rank (manifest, sizes, checksums; a plain ``accelerator.save_state``
+        folder by its rank files), and nothing in it is unpickled. Collective. Disabled:
+        ``accelerator.load_state`` as it is."""
+        if self.co2 is None:
+            self.accelerator.load_state(input_dir, **kwargs)
+            return
+        self._check_open("load_state", "load it into a new CO2Accelerate")
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
+        # refusing when one does; the rank file is then checked by size only
+        checkpoint.agree(self._check_loadable, input_dir, rank, world)
+        self._loading = input_dir
+        try:
+            self.accelerator.load_state(input_dir, **kwargs)
+        finally:
+            self._loading = None
+            if self._skipped_loads is not None:
+                self._skipped_loads.undo()
+                self._skipped_loads = None
+        saved = checkpoint.read_rank_state(input_dir, rank, world, require_manifest=False, verify=False)
+        accelerator = self.accelerator
+        checkpoint.apply_rank_state(
+            saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=accelerator.scaler
+        )
+
+    def _check_loadable(self, input_dir: str, rank: int, world: int) -> None:
+        checkpoint.check_rank_state(input_dir, rank, world, require_manifest=False)
+        # Accelerate refuses a folder whose custom-object files outnumber the registered objects, but
+        # only after loading the model and optimizer: say so first. co2_hf before this version saved
+        # one of its own (custom_checkpoint_<i>.pkl), a full pickle that is never loaded now.
+        found = sorted(glob.glob(os.path.join(input_dir, "custom_checkpoint_*.pkl")))
+        registered = len(getattr(self.accelerator, "_custom_objects", []))
+        if len(found) != registered:
+            names = ", ".join(os.path.basename(f) for f in found)
+            raise ValueError(
+                f"{input_dir} holds {len(found)} custom-object file(s) ({names}) and {registered} object(s) are "
+                "registered with accelerator.register_for_checkpointing. CO2Accelerate registers none (Accelerate "
+                "unpickles those files in full, so a checkpoint from elsewhere could run code): a folder saved by "
+                "an earlier co2_hf holds one of CO2's, which this version does not load; resume it with that co2_hf "
+                "release, or start from its model (co2.save_pretrained / from_pretrained)"
+            )
+
+    def _check_open(self, method: str, instead: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"CO2Accelerate.{method} after its with block: training was finalized there and CO2's "
+                f"checkpoint hooks are gone, so no rank would write its state; call {method} inside the "
+                f"block ({instead})"
+            )
 
     def _stop_gradient_sync(self) -> None:
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
@@ -220,42 +290,20 @@ class CO2Accelerate:
         )
 
     def _load_hook(self, models: list, input_dir: str) -> None:
-        # Accelerate loads the anchor and rank 0's optimizer next; the restorer runs after that
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
-        # refusing when one does (`checkpoint.agree`); the restorer then checks sizes only
-        checkpoint.agree(checkpoint.check_rank_state, input_dir, rank, world, require_manifest=False)
-        self._load_dir = input_dir
+        """Accelerate loads the anchor and rank 0's optimizer next; `load_state` restores this rank's
+        own state after that. A plain ``accelerator.load_state`` of a CO2 folder would resume every
+        rank with rank 0's optimizer and the anchor as its local model: refused, saying what to call."""
+        if self._loading is None:
+            if glob.glob(os.path.join(input_dir, checkpoint.RANK_FILE.format(rank="*"))):
+                raise ValueError(
+                    f"{input_dir} holds CO2 state: resume it with co2.load_state({input_dir!r}) (the "
+                    "CO2Accelerate object), which restores every rank's own state after accelerator.load_state"
+                )
+            return
         if self.co2.layout.presharded:
             # FSDP2: the model file is the whole anchor and optimizer.bin rank 0's shards; neither
             # fits this rank's shards, and its own file restores both right after
             self._skipped_loads = _SkippedLoads(self.module, self.optimizer)
-
-
-class _RankStateRestorer:
-    """Registered for checkpointing: Accelerate calls its ``load_state_dict`` on every rank after
-    models and optimizers, which is when this rank's own state must go back in."""
-
-    def __init__(self, owner: CO2Accelerate) -> None:
-        self.owner = owner
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"format": 1, "num_processes": self.owner.accelerator.num_processes}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        owner = self.owner
-        if owner._load_dir is None:
-            raise RuntimeError("CO2Accelerate: checkpoint object loaded outside accelerator.load_state")
-        rank = owner.accelerator.process_index
-        world = owner.accelerator.num_processes
-        if owner._skipped_loads is not None:
-            owner._skipped_loads.undo()
-            owner._skipped_loads = None
-        saved = checkpoint.read_rank_state(owner._load_dir, rank, world, require_manifest=False, verify=False)
-        checkpoint.apply_rank_state(
-            saved, co2=owner.co2, model=owner.module, optimizer=owner.optimizer, scaler=owner.accelerator.scaler
-        )
-        owner._load_dir = None
 
 
 class _SkippedLoads:

@@ -23,7 +23,9 @@ What CO2Trainer changes, each a few lines around ``super()``:
   of what carried over and what was reset (`_restore_co2_resharded`);
 - a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
-  from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`);
+  from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`,
+  ``publish.py``); nothing in a checkpoint is unpickled on resume (``checkpoint.py``);
+- with ``load_best_model_at_end`` the best checkpoint's model becomes the anchor (`_load_best_model`);
 - ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
   where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
 - training ends with ``CO2.finalize()`` (`_finalize_training`);
@@ -33,8 +35,8 @@ What CO2Trainer changes, each a few lines around ``super()``:
   shards for its duration (FSDP2 gathers them itself).
 
 The private Trainer methods overridden (``_prepare_for_training``, ``_finalize_training``, ``_save``,
-``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``) are those of
-transformers 5.x; a test in tests/test_trainer.py checks that they exist with these signatures and
+``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``, ``_load_best_model``) are
+those of transformers 5.x; a test in tests/test_trainer.py checks that they exist with these signatures and
 that ``_save_checkpoint`` takes its folder, pushes and rotates the way this module relies on.
 """
 
@@ -53,7 +55,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint, model_card
+from . import checkpoint, model_card, publish
 from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
@@ -117,23 +119,36 @@ class CO2Trainer(Trainer):
         if self.co2_config is not None and resume_from_checkpoint not in (None, False):
             if resume_from_checkpoint is True:  # the Trainer's own lookup; None: let it raise its error
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+            if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+                raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: no such folder")
             if resume_from_checkpoint is not True:
                 self._check_resumable(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _check_resumable(self, directory: str) -> None:
-        """An incomplete, copied, corrupted or mismatched checkpoint is refused, saying why, on every
-        rank (`check_complete` with its checksums, `checkpoint.agree`), before any file is read."""
-        self._co2_sources = checkpoint.agree(self._checked_sources, directory, verify=True)
+        """An incomplete, copied, corrupted, tampered-with or mismatched checkpoint is refused, saying
+        why, on every rank at once (`checkpoint.agree`), before any file is read; the ranks resume from
+        one step and, per disk, one manifest (`publish.agree_on_checkpoint`)."""
+        self._co2_sources, step, digest = checkpoint.agree(self._checked_sources, directory, verify=True)
+        leader = self._save_leader()
+        publish.agree_on_checkpoint(directory, step=step, digest=digest, leader=leader)
         self._co2_verified = directory  # `_restore_co2` then checks sizes only: no second hashing
 
-    def _checked_sources(self, directory: str, *, verify: bool) -> list[int] | None:
-        """`check_complete` for the rank files this rank reads: its own, or with ``co2_elastic`` after a
-        change of world those of the old worker it takes over (returned; None: its own)."""
+    def _checked_sources(self, directory: str, *, verify: bool) -> tuple[list[int] | None, int | None, str]:
+        """The manifest and the shared files first (before anything in the folder is parsed), then the
+        rank files this rank reads: its own, or with ``co2_elastic`` after a change of world those of the
+        old worker it takes over. Returns those (None: its own), the step and the manifest's digest."""
+        manifest = checkpoint.check_shared(directory, verify=verify)
         sources = self._elastic_sources(directory)
         step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
-        checkpoint.check_complete(directory, rank, world, step=step, verify=verify, sources=sources)
-        return sources
+        checkpoint.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
+        return sources, step, publish.manifest_digest(directory)
+
+    def _save_leader(self) -> int:
+        """The rank that publishes this rank's checkpoint files: 0 on a shared disk, the node's local
+        rank 0 with per-node disks (``save_on_each_node``)."""
+        args = self.args
+        return args.process_index - args.local_process_index if args.save_on_each_node else 0
 
     def _elastic_sources(self, directory: str) -> list[int] | None:
         if not getattr(self.args, "co2_elastic", False):
@@ -242,6 +257,14 @@ class CO2Trainer(Trainer):
             self.co2.finalize()  # every worker's last steps reach the anchor; live model == anchor
         return super()._finalize_training(trial, num_train_samples, start_time)
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the Trainer loads the best checkpoint's model (its anchor) into
+        the live model after training; CO2 then takes it as its anchor too, so that ``save_model``,
+        ``push_to_hub`` and ``evaluate`` use the best model, as with the plain Trainer."""
+        super()._load_best_model()
+        if self.co2 is not None:
+            self.co2.adopt_model()
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # co2/comm_wait_s is the max over ranks; the norms, clip ratio and penalty are global (equal
         # on every rank); co2/comm_s and co2/amp_skipped_steps are rank 0's, which is what is logged
@@ -286,11 +309,12 @@ class CO2Trainer(Trainer):
         """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, published as ``checkpoint-N``
         only when complete.
 
-        The Trainer writes into ``_co2_staging/checkpoint-N`` (its run folder is the staging area for
-        this call: `_get_output_dir`), with its Hub push held; `checkpoint.publish` then writes the
-        manifest and renames the folder. Only then do the Trainer's rotation and push run, on the
-        published folder: rotation never deletes a good checkpoint for one that is not complete, and
-        the background upload never reads a folder about to be renamed.
+        The Trainer writes into ``_co2_staging/checkpoint-N.<token>/checkpoint-N``, a folder of this
+        save's own (its run folder for this call: `_get_output_dir`), with its Hub push held;
+        `publish.publish` then flushes every file, writes the manifest and renames the folder. Only
+        then do the Trainer's rotation and push run, on the published folder: rotation never deletes
+        a good checkpoint for one that is not complete or not yet on disk, and the background upload
+        never reads a folder about to be renamed.
 
         Why not let the Trainer write ``checkpoint-N`` in place, with the manifest as its commit mark
         written after ``super()``? Because the Trainer pushes and rotates at the end of its own
@@ -304,15 +328,15 @@ class CO2Trainer(Trainer):
         args = self.args
         run_dir = self._get_output_dir(trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
-        # with per-node disks (save_on_each_node) each node's local rank 0 publishes its own copy
-        leader = args.process_index - args.local_process_index if args.save_on_each_node else 0
-        staging = checkpoint.begin_save(final, is_leader=args.process_index == leader)
+        leader, rank = self._save_leader(), args.process_index
+        # this run's own staged checkpoints (killed saves) are cleared: nothing else in run_dir is
+        staging = publish.begin_save(final, rank=rank, leader=leader, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
         with self._saving_into(os.path.dirname(staging)):
             super()._save_checkpoint(model, trial)
         self._save_rank_file(staging)
         self._point_best_checkpoint_at(staging, final)
-        step, rank = self.state.global_step, args.process_index
-        checkpoint.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step)
+        own, step = checkpoint.RANK_FILE.format(rank=rank), self.state.global_step
+        publish.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step, own=own)
         self._rotate_and_push(run_dir, final)
 
     def _save_rank_file(self, staging: str) -> None:
@@ -461,11 +485,19 @@ class CO2Trainer(Trainer):
 
 
 def _saved_step(directory: str) -> int | None:
+    """The step ``trainer_state.json`` records (verified with its folder before it is read)."""
     path = os.path.join(directory, TRAINER_STATE_NAME)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("global_step")
+    try:
+        with open(path, "rb") as f:
+            step = json.load(f).get("global_step")
+    except (ValueError, AttributeError) as error:
+        message = f"checkpoint {directory}: its {TRAINER_STATE_NAME} is not a Trainer state ({error})"
+        raise ValueError(message) from None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint {directory}: its {TRAINER_STATE_NAME} records global_step {step!r}")
+    return step
 
 
 @contextlib.contextmanager

@@ -1,0 +1,345 @@
+"""What a checkpoint from elsewhere, a shared folder or an unusual input can do to a run: nothing it
+should not. The manifest validated before use, no unpickling of what a checkpoint holds, saves that
+never delete or mix a user's files, durable publishing, and the settings that used to surprise users
+(positional ``output_dir``, the default fragments on a tiny model, numpy integers, huge timeouts,
+inline JSON, metrics at any logging interval). One process each; the multi-process sides are in
+test_accelerate.py and test_trainer.py."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+
+import pytest
+import torch
+from workers import TinyNet, loss_on, make_optimizer
+
+from co2_hf import CO2Config, CO2TrainingArguments
+from co2_hf.core import CO2
+from co2_hf.integrations import checkpoint, publish
+from co2_hf.testing import FakeCommunicator
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Payload:
+    """Unpickled, it creates the folder ``marker``: the proof that code from a checkpoint ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None = None) -> str:
+    """A folder published through the real save path (one process): ``files`` and a rank file."""
+    staging = publish.begin_save(folder, rank=0, leader=0)
+    for name, data in files.items():
+        with open(os.path.join(staging, name), "wb") as f:
+            f.write(data)
+    state = rank_state or {"co2": {}, "model": {}, "optimizer": None, "scaler": None}
+    torch.save(state, checkpoint.rank_file(staging, 0))
+    publish.publish(staging, folder, rank=0, leader=0, world_size=1, step=4, own="co2_rank0.pt")
+    return folder
+
+
+def rewrite_manifest(folder: str, change) -> None:
+    """What an attacker (or a careless script) does: change the folder, then make the manifest match."""
+    path = os.path.join(folder, publish.MANIFEST_FILE)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest = change(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def rehash(folder: str):
+    def change(manifest):
+        for name in manifest["files"]:
+            path = os.path.join(folder, name)
+            manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": publish.file_checksum(path)}
+        for entry in manifest["ranks"].values():
+            entry["bytes"] = manifest["files"][entry["file"]]["bytes"]
+        return manifest
+
+    return change
+
+
+# ---------------------------------------------------------------------- item 1: nothing is unpickled
+
+
+def test_a_hostile_rank_file_with_a_matching_manifest_is_refused_before_it_runs(tmp_path):
+    folder = published(str(tmp_path / "ckpt"), {"model.safetensors": b"weights"})
+    marker = str(tmp_path / "code_ran")
+    hostile = {"co2": Payload(marker), "model": {}, "optimizer": None, "scaler": None}
+    torch.save(hostile, checkpoint.rank_file(folder, 0))
+    rewrite_manifest(folder, rehash(folder))
+    checkpoint.check_shared(folder)  # the manifest matches: checking for damage cannot tell
+    refusal = r"co2_rank0.pt holds something other than tensors.*nothing in it was run"
+    for check in (checkpoint.check_complete, checkpoint.read_rank_state):
+        with pytest.raises(ValueError, match=refusal):
+            check(folder, 0, 1)
+    os.remove(os.path.join(folder, publish.MANIFEST_FILE))  # a plain accelerator.save_state folder
+    with pytest.raises(ValueError, match="co2_rank0.pt holds something other than tensors"):
+        checkpoint.read_rank_state(folder, 0, 1, require_manifest=False)
+    assert not os.path.exists(marker)
+
+
+def test_co2_files_never_load_with_weights_only_false():
+    root = os.path.join(os.path.dirname(__file__), "..", "co2_hf")
+    for base, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py") and name != "testing.py":  # testing.py reads its own workers' results
+                with open(os.path.join(base, name)) as f:
+                    assert "weights_only=False" not in f.read(), name
+
+
+# ---------------------------------------------------------------------- item 4: the manifest validated
+
+
+MALFORMED = {
+    "a list": (lambda m: [], "a JSON list, not an object"),
+    "empty": (lambda m: {}, "no format, step, world_size, ranks, files"),
+    "no files": (lambda m: {**m, "files": {}}, "files must be a non-empty object"),
+    "format 1": (lambda m: {**m, "format": 1}, "format 1 lists sizes without checksums"),
+    "format 3": (lambda m: {**m, "format": 3}, "format 3"),
+    "no checksum": (lambda m: {**m, "files": {k: {"bytes": v["bytes"]} for k, v in m["files"].items()}}, "sha256"),
+    "absolute": (lambda m: {**m, "files": {**m["files"], "/etc/hostname": m["files"]["a.bin"]}}, "not a relative"),
+    "parent": (lambda m: {**m, "files": {**m["files"], "../a.bin": m["files"]["a.bin"]}}, "not a relative"),
+    "inner parent": (lambda m: {**m, "files": {**m["files"], "x/../a.bin": m["files"]["a.bin"]}}, "not a relative"),
+    "step": (lambda m: {**m, "step": "4"}, "step must be an integer"),
+    "rank outside": (lambda m: {**m, "ranks": {"7": m["ranks"]["0"]}}, "rank '7' is not a rank of a world of 1"),
+    "rank file unlisted": (
+        lambda m: {**m, "ranks": {"0": {"file": "co2_rank0.pt", "bytes": 1}}},
+        "is not among the files, with the same bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_manifest_is_a_value_error_naming_the_problem(tmp_path, case):
+    folder = published(str(tmp_path / "ckpt"), {"a.bin": b"abc"})
+    change, message = MALFORMED[case]
+    rewrite_manifest(folder, change)
+    with pytest.raises(ValueError, match=f"co2_manifest.json.*{message}"):
+        checkpoint.read_rank_state(folder, 0, 1)
+
+
+def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
+    """A symbolic link (to /dev/zero: resume would hash forever), a file outside, a file added after
+    the save: each refused naming it, before anything is hashed or loaded."""
+    for target, message in (("/dev/zero", "a.bin is a link to /dev/zero"), ("outside", "a.bin is a link to")):
+        folder = published(str(tmp_path / f"ckpt_{target.strip('/').replace('/', '_')}"), {"a.bin": b"abc"})
+        outside = str(tmp_path / "outside")
+        with open(outside, "wb") as f:
+            f.write(b"abc")
+        os.remove(os.path.join(folder, "a.bin"))
+        os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.bin"))
+        with pytest.raises(ValueError, match=message):
+            checkpoint.read_rank_state(folder, 0, 1)
+    folder = published(str(tmp_path / "added"), {"a.bin": b"abc"})
+    with open(os.path.join(folder, "optimizer.pt"), "wb") as f:
+        f.write(b"planted")
+    with pytest.raises(ValueError, match=r"has files its co2_manifest.json does not list \(optimizer.pt\)"):
+        checkpoint.read_rank_state(folder, 0, 1)
+    os.makedirs(os.path.join(folder, ".cache"))  # a Hub download's own folder: never loaded, not refused
+    os.remove(os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, ".cache", "x"), "w") as f:
+        f.write("x")
+    checkpoint.read_rank_state(folder, 0, 1)
+
+
+def test_agree_turns_any_exception_into_the_same_value_error():
+    def unreadable():
+        raise PermissionError(13, "Permission denied", "/ckpt/co2_rank0.pt")
+
+    with pytest.raises(ValueError, match=r"PermissionError: \[Errno 13\] Permission denied: '/ckpt/co2_rank0.pt'"):
+        publish.agree(unreadable)
+
+
+def test_the_world_file_is_validated_after_the_manifest(tmp_path):
+    folder = published(str(tmp_path / "ckpt"), {checkpoint.CONFIG_FILE: b'{"world_size": 2, "co2_worker_size": 0}'})
+    with pytest.raises(ValueError, match="co2_config.json does not record a world"):
+        checkpoint.saved_world(folder)
+    broken = str(tmp_path / "broken")
+    os.makedirs(broken)
+    with open(os.path.join(broken, "trainer_state.json"), "w") as f:
+        f.write("{")
+    torch.save({}, checkpoint.rank_file(broken, 0))
+    with pytest.raises(ValueError, match="has no co2_manifest.json"):  # not a JSON error of another file
+        checkpoint.check_shared(broken)
+
+
+# ---------------------------------------------------------------------- item 3: saves never delete
+
+
+def test_a_save_never_replaces_a_folder_holding_files_co2_did_not_write(tmp_path):
+    target = tmp_path / "run"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files CO2 did not write there \(notes.txt\)"):
+        published(str(target), {"a.bin": b"abc"})
+    assert (target / "notes.txt").read_text() == "mine" and sorted(os.listdir(target)) == ["notes.txt"]
+    folder = published(str(tmp_path / "ckpt"), {"a.bin": b"abc"})  # a CO2 checkpoint is replaced whole ...
+    published(folder, {"a.bin": b"new"})
+    assert (tmp_path / "ckpt" / "a.bin").read_bytes() == b"new"
+    (tmp_path / "ckpt" / "events.out").write_text("tensorboard")  # ... unless someone added to it
+    with pytest.raises(ValueError, match=r"\(events.out\)"):
+        published(folder, {"a.bin": b"newer"})
+    assert (tmp_path / "ckpt" / "a.bin").read_bytes() == b"new"
+
+
+def test_staging_is_unique_per_save_and_leaves_other_runs_alone(tmp_path):
+    other = tmp_path / publish.STAGING_DIR / f"sibling.{'0' * 16}" / "sibling"
+    other.mkdir(parents=True)
+    (other / "half_written.bin").write_bytes(b"x")  # another run's save in progress, beside ours
+    killed = tmp_path / publish.STAGING_DIR / f"ckpt.{'1' * 16}" / "ckpt"
+    killed.mkdir(parents=True)  # a killed save of this very folder: ours to clear
+    seen = []
+    original = publish.publish
+
+    def spy(staging, final_dir, **kwargs):
+        seen.append(staging)
+        return original(staging, final_dir, **kwargs)
+
+    publish.publish = spy
+    try:
+        published(str(tmp_path / "ckpt"), {"a.bin": b"a"})
+        published(str(tmp_path / "ckpt"), {"a.bin": b"b"})
+    finally:
+        publish.publish = original
+    assert len(set(seen)) == 2 and all(os.path.basename(os.path.dirname(s)).startswith("ckpt.") for s in seen)
+    assert (other / "half_written.bin").exists() and not killed.exists()
+
+
+def test_a_save_that_cannot_stage_says_why(tmp_path, monkeypatch):
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(publish.os, "makedirs", read_only)
+    with pytest.raises(ValueError, match=r"CO2 cannot save .*ckpt: it writes a checkpoint into .*_co2_staging.*Make"):
+        publish.begin_save(str(tmp_path / "ckpt"), rank=0, leader=0)
+    monkeypatch.undo()
+    (tmp_path / "mounted").mkdir()
+    monkeypatch.setattr(publish.os.path, "ismount", lambda path: str(path).endswith("mounted"))
+    with pytest.raises(ValueError, match="is a mount point"):
+        publish.begin_save(str(tmp_path / "mounted"), rank=0, leader=0)
+
+
+# ---------------------------------------------------------------------- item 5: durable before visible
+
+
+def test_every_file_is_flushed_before_the_manifest_and_the_parent_after_the_rename(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("rename", str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(publish.os, "fsync", recording_fsync)
+    monkeypatch.setattr(publish.os, "replace", recording_replace)
+    final = str(tmp_path / "ckpt")
+    published(final, {"model.safetensors": b"w", "optimizer.pt": b"o"})
+    manifest_at = next(i for i, (k, p) in enumerate(events) if k == "rename" and p.endswith(publish.MANIFEST_FILE))
+    for name in ("model.safetensors", "optimizer.pt", "co2_rank0.pt"):
+        flushed_at = [i for i, (k, p) in enumerate(events) if k == "fsync" and p.endswith(name)]
+        assert flushed_at and flushed_at[0] < manifest_at, (name, events)
+    published_at = events.index(("rename", final))
+    assert ("fsync", str(tmp_path)) in events[published_at:]  # the rename itself is on disk
+
+
+# ---------------------------------------------------------------------- item 6: the Trainer's contract
+
+
+def test_output_dir_is_the_first_positional_argument_as_with_training_arguments():
+    from transformers import TrainingArguments
+
+    args = CO2TrainingArguments("out", report_to="none", use_cpu=True)
+    assert args.output_dir == "out" and args.co2_enabled is True
+    ours = list(inspect.signature(CO2TrainingArguments).parameters.values())
+    theirs = [p.name for p in inspect.signature(TrainingArguments).parameters.values()]
+    assert [p.name for p in ours[: len(theirs)]] == theirs
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
+
+
+def test_default_fragments_fit_a_model_smaller_than_tau_and_an_explicit_value_is_refused(caplog):
+    tiny = torch.nn.Linear(1, 1)  # 2 elements: tau 12 would be 12 fragments
+    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+        co2 = CO2(tiny, CO2Config(), communicator=FakeCommunicator())
+    assert len(co2.fragments) == 2 and co2.config.co2_fragments == 2
+    assert "co2_fragments is not set" in caplog.text and "using co2_fragments=2" in caplog.text
+    optimizer = torch.optim.SGD(tiny.parameters(), lr=0.1)
+    for _ in range(24):
+        tiny(torch.ones(1, 1)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        co2.step()
+    with pytest.raises(ValueError, match="co2_fragments=12 is more than the 2 elements"):
+        CO2(torch.nn.Linear(1, 1), CO2Config(co2_fragments=12), communicator=FakeCommunicator())
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    config = CO2Config(co2_local_steps=np.int64(4), co2_outer_lr=np.float32(0.5), co2_fragments=np.int32(2))
+    assert type(config.co2_local_steps) is int and type(config.co2_outer_lr) is float
+    json.dumps(config.co2_dict())
+    with pytest.raises(TypeError):
+        CO2Config(4)  # keyword arguments only: a positional value would be taken for another setting
+
+
+def test_inline_json_accelerator_config_is_read_as_training_arguments_reads_it():
+    with pytest.raises(ValueError, match="dispatch_batches=True broadcasts every batch"):
+        CO2TrainingArguments("out", report_to="none", use_cpu=True, accelerator_config='{"dispatch_batches": true}')
+    with pytest.raises(ValueError, match="neither inline JSON .* nor an existing JSON file"):
+        CO2TrainingArguments("out", report_to="none", use_cpu=True, accelerator_config="no_such.json")
+
+
+def test_the_single_worker_warning_names_a_launch_that_starts_several_processes_on_cpus(caplog, monkeypatch):
+    from co2_hf.integrations import arguments
+
+    monkeypatch.setattr(arguments.torch.accelerator, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+        CO2TrainingArguments("out", report_to="none", use_cpu=True)
+    assert "torchrun --nproc_per_node N" in caplog.text and "cpu_2proc.yaml" in caplog.text
+
+
+def test_accelerate_helper_refuses_a_dict_config_naming_co2config():
+    from co2_hf import CO2Accelerate
+
+    with pytest.raises(TypeError, match=r"takes a CO2Config, not a dict: pass config=CO2Config\("):
+        CO2Accelerate(object(), torch.nn.Linear(1, 1), None, config={"co2_local_steps": 4})
+
+
+# ---------------------------------------------------------------------- item 7: metrics at any interval
+
+
+@pytest.mark.parametrize("every", [5, 7, 12])
+def test_metrics_mean_the_same_at_any_logging_interval(every):
+    """tau 12, 12 fragments, the penalty off: penalty_mean is exactly 1 and comm_s one round's
+    (12 fragments of 2 ms each) whether or not the logging interval divides tau."""
+    delay = 0.002
+    model = TinyNet(seed=0)
+    optimizer = make_optimizer(model)
+    co2 = CO2(model, CO2Config(), optimizer=optimizer, communicator=FakeCommunicator(delay_s=delay))
+    logged = []
+    for step in range(36):
+        optimizer.zero_grad()
+        loss_on(model, 0, step).backward()
+        optimizer.step()
+        co2.step()
+        if (step + 1) % every == 0:
+            logged.append(co2.pop_metrics())
+    windows = [m for m in logged if "co2/comm_s" in m]
+    assert len(windows) >= 36 // every - 1
+    for metrics in windows:
+        assert metrics["co2/penalty_mean"] == 1.0
+        assert metrics["co2/comm_s"] == pytest.approx(12 * delay, rel=1e-3)
+        assert metrics["co2/comm_wait_s"] >= 0.0  # real sleeps: their length depends on the machine's load
