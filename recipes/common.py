@@ -44,9 +44,32 @@ def parse_arguments(parser, defaults: dict, argv: list[str] | None):
         with open(argv[0]) as f:
             given = json.load(f)
         # parse_dict builds the dataclasses from their own defaults, not the parser's: merge first
-        return parser.parse_dict({**defaults, **given})
-    parser.set_defaults(**defaults)
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_dict({**defaults, **given})
+    else:
+        parser.set_defaults(**defaults)
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    for args in parsed:
+        if hasattr(args, "resume_from_checkpoint"):
+            args.resume_from_checkpoint = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    return parsed
+
+
+def resolve_resume(resume, output_dir: str) -> str | None:
+    """``--resume_from_checkpoint``: a folder, or ``true`` (JSON true, or the word on the command line)
+    for the last ``checkpoint-N`` of ``--output_dir``, as ``trainer.train(resume_from_checkpoint=True)``
+    takes it; ``false`` or unset: start afresh."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is False or resume in ("false", "False") or resume is None:
+        return None
+    if resume is True or (resume in ("true", "True") and not os.path.isdir(resume)):
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(f"--resume_from_checkpoint true: --output_dir {output_dir} holds no checkpoint-N folder")
+        return last
+    if not isinstance(resume, str):
+        raise ValueError(f"--resume_from_checkpoint={resume!r}: allowed values are a checkpoint folder or true")
+    return resume
 
 
 def load_accuracy():

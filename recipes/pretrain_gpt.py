@@ -421,6 +421,8 @@ def check(model_args: ModelArguments, data_args: DataArguments, training_args) -
             f"--model_type={model_args.model_type!r}: allowed values are transformers' model types, "
             "e.g. gpt2, llama, gpt_neox"
         )
+    if data_args.block_size < 1:
+        raise ValueError(f"--block_size={data_args.block_size}: allowed values are integers >= 1 (tokens a sequence)")
     if not 0 < data_args.validation_split_percentage < 100:
         raise ValueError(f"--validation_split_percentage={data_args.validation_split_percentage}: allowed 1..99")
 
