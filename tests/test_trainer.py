@@ -377,3 +377,52 @@ def test_the_private_trainer_methods_co2_relies_on_exist_in_the_installed_transf
     order = ["self._get_output_dir(", "self.state.save_to_json(", "self._push_from_checkpoint(", "rotate_checkpoints("]
     positions = [source.find(call) for call in order]
     assert -1 not in positions and positions == sorted(positions), dict(zip(order, positions))
+
+
+# ---------------------------------------------------------------------- the plain Trainer's contract
+# (found by running transformers' own tests/trainer suite with Trainer replaced by CO2Trainer)
+
+
+@pytest.mark.timeout(60)
+def test_the_callbacks_are_the_plain_trainers_and_removing_them_keeps_the_rounds(tmp_path):
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    plain_args = TrainingArguments(str(tmp_path / "plain"), report_to="none", disable_tqdm=True)
+    plain = Trainer(model=tiny_gpt2(), args=plain_args)
+    args = make_args(str(tmp_path / "co2"), max_steps=8)
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    assert [type(c) for c in trainer.callback_handler.callbacks] == [type(c) for c in plain.callback_handler.callbacks]
+    trainer.remove_callback(DefaultFlowCallback)
+    trainer.train()
+    assert trainer.co2.inner_steps == trainer.state.global_step > 0  # every optimizer step still counted
+
+
+@pytest.mark.timeout(60)
+def test_accelerator_config_from_a_path_and_dispatching_left_to_accelerate_outside_training(tmp_path):
+    import pathlib
+
+    config = tmp_path / "accelerator.json"
+    config.write_text(json.dumps({"split_batches": False}))
+    args = make_args(str(tmp_path), accelerator_config=pathlib.Path(config))
+    assert args.accelerator_config.dispatch_batches is None  # as the plain Trainer leaves it
+    stream = dataset(64).to_iterable_dataset()
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=stream, eval_dataset=stream)
+    assert type(trainer.get_train_dataloader()).__name__ == "DataLoaderShard"  # each process reads its own
+    assert trainer.accelerator.dataloader_config.dispatch_batches is None
+    assert type(trainer.get_eval_dataloader()).__name__ == "DataLoaderDispatcher"  # as without CO2
+
+
+@pytest.mark.timeout(90)
+def test_a_best_checkpoint_saved_before_the_evaluation_that_made_it_best_is_recorded_and_kept(tmp_path):
+    """Evaluating every epoch (4 steps) and saving every step: checkpoint-4 is saved before the
+    evaluation at the end of epoch 1 makes it the best; the Trainer finds it at the next save."""
+    best = dict(metric_for_best_model="loss", greater_is_better=True)  # the first evaluation is the best
+    args = make_args(
+        str(tmp_path), eval_strategy="epoch", save_strategy="steps", save_steps=1, save_total_limit=2, **best
+    )
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(16), eval_dataset=dataset(16, seed=1))
+    trainer.train()
+    assert trainer.state.best_global_step == 4
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-4"]  # kept

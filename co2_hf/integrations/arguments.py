@@ -276,29 +276,33 @@ def _fsdp_config(config: dict | str | None) -> dict:
 
 
 def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
-    """Checked here, before TrainingArguments builds its AcceleratorConfig and with it the default
-    process group; we build that config the same way (from a dict or a JSON file) to look inside."""
+    """``dispatch_batches=True`` refused, here, before TrainingArguments builds its AcceleratorConfig
+    and with it the default process group. The config is read as TrainingArguments reads it (a dict,
+    inline JSON, an AcceleratorConfig, or any path of a JSON file) and left as it was given: unset,
+    Accelerate dispatches an iterable evaluation set as usual, and `CO2Trainer` keeps the training
+    batches local (``CO2Trainer.get_train_dataloader``)."""
     config = args.accelerator_config
+    if config is None or isinstance(config, type):  # a class: TrainingArguments refuses it itself
+        return
     if isinstance(config, str) and config.startswith("{"):  # inline JSON, as TrainingArguments reads it
         config = _inline_json("accelerator_config", config)
     if isinstance(config, dict):
-        config = AcceleratorConfig(**config)
-    elif isinstance(config, str):
-        if not os.path.isfile(config):
+        dispatch = config.get("dispatch_batches")
+    elif isinstance(config, AcceleratorConfig):
+        dispatch = config.dispatch_batches
+    else:
+        path = os.fspath(config)
+        if not os.path.isfile(path):
             raise ValueError(
                 f"accelerator_config={config!r} is neither inline JSON (starting with '{{') nor an existing "
                 "JSON file"
             )
-        config = AcceleratorConfig.from_json_file(config)
-    if config is None:
-        config = AcceleratorConfig()
-    if config.dispatch_batches:
+        dispatch = AcceleratorConfig.from_json_file(path).dispatch_batches
+    if dispatch:
         raise ValueError(
             "accelerator_config.dispatch_batches=True broadcasts every batch from rank 0, a "
             "collective at every step: with CO2 each worker must read its own data (set it to false)"
         )
-    config.dispatch_batches = False
-    args.accelerator_config = config
 
 
 def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> bool:

@@ -15,7 +15,7 @@ What CO2Trainer changes, each a few lines around ``super()``:
   train alone, and no collective crosses workers between two logging steps (`_prepare_for_training`);
   metric gathers inside a training step (``accelerator.gather_for_metrics``, e.g. TRL's entropy and
   token accuracy) are made local to each process (`training_step`);
-- one ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included (`_CO2StepCallback`);
+- one ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included (`_count_optimizer_steps`);
 - logs carry the ``co2/*`` metrics (`log`); evaluation runs on the anchor (`evaluate`);
 - the saved model is the anchor, checkpoints add each rank's own state (`_save`, `_save_checkpoint`),
   and ``resume_from_checkpoint`` restores it exactly (`train`, `_restore_co2`); with ``--co2_elastic``
@@ -49,9 +49,9 @@ import logging
 import os
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, rotate_checkpoints
 
 from ..config import CO2Config
 from ..core import CO2
@@ -60,18 +60,10 @@ from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_pa
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
 
+# the save strategies under which the Trainer looks up the best checkpoint at each save
+SAVES_BY_SCHEDULE = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+
 logger = logging.getLogger(__name__)
-
-
-class _CO2StepCallback(TrainerCallback):
-    """Counts every optimizer-step call as an inner step, on every rank, skipped or not."""
-
-    def __init__(self, trainer: CO2Trainer) -> None:
-        self.trainer = trainer
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        trainer.co2.step(skipped=bool(trainer.accelerator.optimizer_step_was_skipped))
 
 
 class CO2Trainer(Trainer):
@@ -97,20 +89,47 @@ class CO2Trainer(Trainer):
         self._warned_local_gathers = False
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
-            self.add_callback(_CO2StepCallback(self))
+            self._count_optimizer_steps()
             _follow_ddp_timeout(self.args)
             self._warn_iterable_not_dispatched()
 
+    def _count_optimizer_steps(self) -> None:
+        """One ``CO2.step()`` after every optimizer-step call, AMP-skipped ones included, on every rank:
+        run by the callback handler's ``on_optimizer_step`` after every callback's. Not a callback in
+        the list: the Trainer's callbacks stay exactly those of the plain Trainer, and
+        ``remove_callback``/``pop_callback`` cannot switch CO2's round boundaries off."""
+        handler = self.callback_handler
+        callbacks_then_co2 = handler.on_optimizer_step
+
+        def on_optimizer_step(args, state, control):
+            control = callbacks_then_co2(args, state, control)
+            if self.co2 is not None:
+                self.co2.step(skipped=bool(self.accelerator.optimizer_step_was_skipped))
+            return control
+
+        handler.on_optimizer_step = on_optimizer_step
+
     def _warn_iterable_not_dispatched(self) -> None:
-        """CO2TrainingArguments sets ``dispatch_batches`` to False; unset, Accelerate would have
-        dispatched an iterable dataset's batches from rank 0 (a broadcast at every step)."""
+        """Unset, Accelerate would dispatch an iterable training set's batches from rank 0 (a
+        broadcast at every step); `get_train_dataloader` keeps them local."""
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.is_world_process_zero():
             logger.warning(
-                "CO2: the iterable train dataset is not dispatched from rank 0 (accelerator_config.dispatch_batches="
-                "False: dispatching broadcasts every batch at every step); each process iterates it and keeps its "
-                "own share of the batches. Shard the stream per process (datasets.distributed.split_dataset_by_node) "
-                "so that each reads only its part."
+                "CO2: the iterable train dataset is not dispatched from rank 0 (dispatching broadcasts every batch "
+                "at every step); each process iterates it and keeps its own share of the batches. Shard the stream "
+                "per process (datasets.distributed.split_dataset_by_node) so that each reads only its part."
             )
+
+    def get_train_dataloader(self):
+        """The Trainer's, with batches never dispatched from rank 0 (a collective at every step);
+        evaluation and prediction loaders are prepared as the plain Trainer prepares them."""
+        if self.co2_config is None:
+            return super().get_train_dataloader()
+        config = self.accelerator.dataloader_config
+        given, config.dispatch_batches = config.dispatch_batches, False
+        try:
+            return super().get_train_dataloader()
+        finally:
+            config.dispatch_batches = given
 
     # ------------------------------------------------------------------ training
 
@@ -379,13 +398,19 @@ class CO2Trainer(Trainer):
             self.args.push_to_hub = push
 
     def _point_best_checkpoint_at(self, staging: str, final: str) -> None:
-        """The Trainer records the best checkpoint under the path it wrote to: the staging one."""
-        best = self.state.best_model_checkpoint
-        if best is None or os.path.normpath(best) != os.path.normpath(staging):
-            return
-        self.state.best_model_checkpoint = final
-        if self.args.should_save:
-            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        """The best checkpoint under its published name, as the plain Trainer records it. Inside the
+        staging area the Trainer saw only this save's folder: it recorded this checkpoint under its
+        staging path, and could not find an earlier one (saved before the evaluation that made it the
+        best: evaluating every epoch and saving every step), which it would have taken from run_dir."""
+        state, best = self.state, self.state.best_model_checkpoint
+        if best is not None and os.path.normpath(best) == os.path.normpath(staging):
+            state.best_model_checkpoint = final
+        elif state.best_global_step and self.args.save_strategy in SAVES_BY_SCHEDULE:
+            earlier = os.path.join(os.path.dirname(final), f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+            if state.best_global_step != state.global_step and os.path.exists(earlier):
+                state.best_model_checkpoint = earlier
+        if state.best_model_checkpoint != best and self.args.should_save:
+            state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None or getattr(self.args, "worker_fsdp", None) is None:
