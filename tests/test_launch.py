@@ -36,3 +36,17 @@ def test_accelerate_launch_with_the_cpu_config_runs_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^2 processes, tau=4", result.stdout, re.M), result.stdout
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_users_script_ends_with_no_gloo_thread_left_for_interpreter_exit(tmp_path):
+    """A CO2Trainer script that ends without trainer.end(): co2_hf destroys the process groups at exit,
+    so no gloo worker thread meets interpreter finalization (the cause of the rare
+    ``terminate called without an active exception`` abort; scripts/exit_check.py runs it 100 times)."""
+    from scripts import exit_check
+
+    result = exit_check.one_run(
+        str(tmp_path / "run"), steps=8, wire="float32", amplify_ms=0, shim=None, timeout_s=140
+    )
+    assert result["clean"], result["tail"]
+    assert result["gloo_threads_at_exit"] == [0, 0], result

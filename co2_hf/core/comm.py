@@ -42,10 +42,13 @@ boundary's bounded waits, or by the watchdog at `group_timeout`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +188,8 @@ class ProcessGroupCommunicator(Communicator):
         self._side_streams: dict[Any, Any] = {}
         self._collectives = GroupCollectives(outer)  # what a coded all-reduce runs on (launch_coded)
         self._last_background: _Background | None = None
+        self.failed = False  # a collective failed or timed out: the exit hook leaves the groups alone
+        _OPEN.add(self)
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
         group = self.group if self.sharded_params else self.everyone
@@ -233,7 +238,11 @@ class ProcessGroupCommunicator(Communicator):
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
         before = _record_event(pending.tensor)
-        _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
+        try:
+            _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
+        except RuntimeError:
+            self.failed = True
+            raise
         if before is not None:
             pending.wait_events = (before, _record_event(pending.tensor))
 
@@ -280,10 +289,16 @@ class ProcessGroupCommunicator(Communicator):
         try:
             _bounded_wait(work, tensor, self.timeout_s)
         except RuntimeError as error:
+            self.failed = True
             raise RuntimeError(
                 f"CO2: {what} failed or did not finish within co2_timeout_s={self.timeout_s}s "
                 f"(a peer may have died or stalled): {error}"
             ) from error
+
+    def settled(self) -> bool:
+        """No collective of CO2's failed, and no coded all-reduce is still running."""
+        background = self._last_background
+        return not self.failed and (background is None or background._done.wait(BACKGROUND_EXIT_WAIT_S))
 
     def _side_stream(self, device: torch.device) -> Any:
         if device not in self._side_streams:
@@ -457,3 +472,33 @@ def worker_mesh(worker_size: int, device_type: str | None = None, *, timeout_s: 
         mine = _worker_group(worker_size, timeout=timeout)
         _WORKER_MESHES[key] = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("co2_worker",))
     return _WORKER_MESHES[key]
+
+
+# ---------------------------------------------------------------------- interpreter exit
+
+_OPEN: weakref.WeakSet[ProcessGroupCommunicator] = weakref.WeakSet()
+BACKGROUND_EXIT_WAIT_S = 5.0  # at exit, how long a coded all-reduce may take to end before it counts as stuck
+
+
+@atexit.register
+def _destroy_groups_at_exit() -> None:
+    """Destroy every process group before the interpreter finalizes, when CO2 made groups of its own.
+
+    Why: a script that ends after ``trainer.train()`` leaves its gloo groups alive (the Trainer
+    destroys them only in ``trainer.end()``, which few call). At interpreter exit a gloo worker
+    thread that drops the last reference to a collective's tensor needs the GIL, which CPython no
+    longer hands out; it ends the thread inside a C++ destructor, and the process aborts with
+    ``terminate called without an active exception`` (SIGABRT, exit status 1 from the launcher)
+    after training and saving succeeded. Destroying the groups here, while the interpreter is alive,
+    joins those threads first (``scripts/exit_check.py`` counts clean exits). ``atexit`` runs handlers
+    last-registered first, so the user's own exit handlers still find the groups. Left alone after a
+    failed or stuck collective of CO2's (destroying a group waits for its collectives), and where the
+    script destroyed the groups itself.
+    """
+    if not _OPEN or not (dist.is_available() and dist.is_initialized()):
+        return
+    if not all(comm.settled() for comm in list(_OPEN)):
+        return
+    _WORKER_MESHES.clear()
+    dist.destroy_process_group()
+    gc.collect()  # the groups' last references: their threads are joined now
