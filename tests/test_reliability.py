@@ -121,7 +121,7 @@ BAD_COMBINATIONS = [
         "fsdp options ['offload'] are not supported inside a CO2 worker",
     ),
     (["--include_num_input_tokens_seen", "true"], {}, "include_num_input_tokens_seen=True"),
-    (["--accelerator_config", "{dispatch}"], {}, "dispatch_batches=True"),
+    (["--accelerator_config", "{missing}"], {}, "is neither inline JSON"),
     (["--co2_worker_size", "3"], {"WORLD_SIZE": "4"}, "co2_worker_size=3 must divide the world size 4"),
     (["--co2_comm_dtype", "bfloat16"], {"WORLD_SIZE": "512"}, "supports at most 256 workers"),
 ]
@@ -130,9 +130,7 @@ BAD_COMBINATIONS = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "env", "message"), BAD_COMBINATIONS, ids=[m[:28] for _, _, m in BAD_COMBINATIONS])
 def test_unsupported_combinations_are_refused_before_any_process_group(tmp_path, no_process_group, argv, env, message):
-    dispatch = tmp_path / "accelerator.json"
-    dispatch.write_text(json.dumps({"dispatch_batches": True}))
-    argv = [str(dispatch) if a == "{dispatch}" else a for a in argv]
+    argv = [str(tmp_path / "missing.json") if a == "{missing}" else a for a in argv]
     for key, value in env.items():
         no_process_group.setenv(key, value)
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -220,7 +220,6 @@ def test_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
         (dict(deepspeed={"train_batch_size": 8}), "CO2 does not support DeepSpeed"),
         (dict(fsdp="full_shard"), "would shard the model across CO2 workers"),
         (dict(include_num_input_tokens_seen="all"), "include_num_input_tokens_seen='all'"),
-        (dict(accelerator_config={"dispatch_batches": True}), "dispatch_batches=True"),
         (dict(co2_local_steps=0), "co2_local_steps=0"),
     ],
 )
@@ -396,6 +395,18 @@ def test_the_callbacks_are_the_plain_trainers_and_removing_them_keeps_the_rounds
     trainer.remove_callback(DefaultFlowCallback)
     trainer.train()
     assert trainer.co2.inner_steps == trainer.state.global_step > 0  # every optimizer step still counted
+
+
+@pytest.mark.timeout(60)
+def test_dispatch_batches_true_applies_to_evaluation_only_with_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        args = make_args(str(tmp_path), accelerator_config={"dispatch_batches": True})
+    assert "dispatch_batches=True applies to evaluation and prediction only" in caplog.text
+    stream = dataset(64).to_iterable_dataset()
+    trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=stream, eval_dataset=stream)
+    assert trainer.accelerator.dispatch_batches is True  # the user's setting, as the Trainer keeps it
+    assert type(trainer.get_train_dataloader()).__name__ == "DataLoaderShard"
+    assert type(trainer.get_eval_dataloader()).__name__ == "DataLoaderDispatcher"
 
 
 @pytest.mark.timeout(60)

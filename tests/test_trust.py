@@ -295,9 +295,13 @@ def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
         CO2Config(4)  # keyword arguments only: a positional value would be taken for another setting
 
 
-def test_inline_json_accelerator_config_is_read_as_training_arguments_reads_it():
-    with pytest.raises(ValueError, match="dispatch_batches=True broadcasts every batch"):
-        CO2TrainingArguments("out", report_to="none", use_cpu=True, accelerator_config='{"dispatch_batches": true}')
+def test_inline_json_accelerator_config_is_read_as_training_arguments_reads_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+        args = CO2TrainingArguments(
+            "out", report_to="none", use_cpu=True, accelerator_config='{"dispatch_batches": true}'
+        )
+    assert args.accelerator_config.dispatch_batches is True  # was FileNotFoundError
+    assert "dispatch_batches=True applies to evaluation and prediction only" in caplog.text
     with pytest.raises(ValueError, match="neither inline JSON .* nor an existing JSON file"):
         CO2TrainingArguments("out", report_to="none", use_cpu=True, accelerator_config="no_such.json")
 

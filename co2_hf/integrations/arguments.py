@@ -3,7 +3,7 @@
 Everything CO2 cannot work with is refused in ``__post_init__``, before ``TrainingArguments`` sets
 up the device and with it the default process group, so a bad launch fails at once and the same on
 every rank: a bad ``co2_*`` value, DeepSpeed, FSDP1 and FSDP across workers, ``parallelism_config``,
-a per-step token count gather, batch dispatching, a ``co2_worker_size`` that does not
+a per-step token count gather, a ``co2_worker_size`` that does not
 divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout`` defaults to
 ``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
 
@@ -14,8 +14,8 @@ applies ``fully_shard`` over the worker's k processes itself (`_take_over_fsdp2`
 
 What CO2 changes in the user's settings is logged at WARNING once, with why:
 ``average_tokens_across_devices`` is turned off, ``ddp_timeout`` follows ``co2_timeout_s``, the
-``ddp_*`` flags of DDP have no effect (CO2 does not use DDP), and a run with a single worker has
-nobody to average with.
+``ddp_*`` flags of DDP have no effect (CO2 does not use DDP), ``dispatch_batches=True`` applies to
+evaluation and prediction only, and a run with a single worker has nobody to average with.
 
 ``__post_init__`` calls ``super().__post_init__()``, so the class mixes with other
 ``TrainingArguments`` subclasses (TRL's ``SFTConfig``) in either base-class order::
@@ -94,6 +94,7 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
             workers = self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
+            dispatch = _dispatch_batches_given(self)
         follows = self.co2_enabled and not _ddp_timeout_given(self)
         if follows:
             self.ddp_timeout = math.ceil(self.co2_timeout_s)
@@ -104,11 +105,13 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
             return
         refuse_data_parallel(self)
         off = _turn_off_per_step_collectives(self)
-        _warn_changed_settings(self, ddp_timeout_followed=follows, token_average_off=off, workers=workers)
+        _warn_changed_settings(
+            self, ddp_timeout_followed=follows, token_average_off=off, workers=workers, dispatch=dispatch
+        )
 
 
 def _warn_changed_settings(
-    args: CO2TrainingArguments, *, ddp_timeout_followed: bool, token_average_off: bool, workers: int
+    args: CO2TrainingArguments, *, ddp_timeout_followed: bool, token_average_off: bool, workers: int, dispatch: bool
 ) -> None:
     """What CO2 changed or made useless, at WARNING once (rank 0; the other ranks at INFO), with why."""
     warn = logger.warning if args.process_index == 0 else logger.info
@@ -124,6 +127,12 @@ def _warn_changed_settings(
             "CO2: average_tokens_across_devices turned off: it all-gathers the token count across every "
             "process at every step, a collective over the slow link that CO2 exists to avoid; each "
             "process normalises its loss by its own token count"
+        )
+    if dispatch:
+        warn(
+            "CO2: accelerator_config.dispatch_batches=True applies to evaluation and prediction only: each "
+            "worker reads its own training batches (dispatching broadcasts every batch from rank 0 at every "
+            "step, a collective over the slow link CO2 exists to avoid)"
         )
     given = {name: getattr(args, name) for name in DDP_FLAGS if getattr(args, name, None) is not None}
     if given:
@@ -199,7 +208,6 @@ def _refuse_unsupported(args: CO2TrainingArguments) -> None:
             "count across workers at every step, which CO2 exists to avoid: allowed value with CO2 "
             "is 'no'"
         )
-    _refuse_dispatch_batches(args)
 
 
 FSDP2_HINT = "--fsdp full_shard --fsdp_config '{\"version\": 2}' with --co2_worker_size k > 1"
@@ -275,34 +283,27 @@ def _fsdp_config(config: dict | str | None) -> dict:
     return {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (config or {}).items()}
 
 
-def _refuse_dispatch_batches(args: CO2TrainingArguments) -> None:
-    """``dispatch_batches=True`` refused, here, before TrainingArguments builds its AcceleratorConfig
-    and with it the default process group. The config is read as TrainingArguments reads it (a dict,
-    inline JSON, an AcceleratorConfig, or any path of a JSON file) and left as it was given: unset,
-    Accelerate dispatches an iterable evaluation set as usual, and `CO2Trainer` keeps the training
-    batches local (``CO2Trainer.get_train_dataloader``)."""
+def _dispatch_batches_given(args: CO2TrainingArguments) -> bool:
+    """Whether ``accelerator_config`` asks for ``dispatch_batches=True``, read as TrainingArguments
+    reads it (a dict, inline JSON, an AcceleratorConfig, or any path of a JSON file), here, before it
+    builds the config (a bad one fails now, before any process group). The config is left as given:
+    `CO2Trainer.get_train_dataloader` keeps the training batches local, and evaluation and prediction
+    loaders are dispatched or not as without CO2."""
     config = args.accelerator_config
     if config is None or isinstance(config, type):  # a class: TrainingArguments refuses it itself
-        return
+        return False
     if isinstance(config, str) and config.startswith("{"):  # inline JSON, as TrainingArguments reads it
         config = _inline_json("accelerator_config", config)
     if isinstance(config, dict):
-        dispatch = config.get("dispatch_batches")
-    elif isinstance(config, AcceleratorConfig):
-        dispatch = config.dispatch_batches
-    else:
-        path = os.fspath(config)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"accelerator_config={config!r} is neither inline JSON (starting with '{{') nor an existing "
-                "JSON file"
-            )
-        dispatch = AcceleratorConfig.from_json_file(path).dispatch_batches
-    if dispatch:
+        return bool(config.get("dispatch_batches"))
+    if isinstance(config, AcceleratorConfig):
+        return bool(config.dispatch_batches)
+    path = os.fspath(config)
+    if not os.path.isfile(path):
         raise ValueError(
-            "accelerator_config.dispatch_batches=True broadcasts every batch from rank 0, a "
-            "collective at every step: with CO2 each worker must read its own data (set it to false)"
+            f"accelerator_config={config!r} is neither inline JSON (starting with '{{') nor an existing JSON file"
         )
+    return bool(AcceleratorConfig.from_json_file(path).dispatch_batches)
 
 
 def _turn_off_per_step_collectives(args: CO2TrainingArguments) -> bool:
