@@ -95,7 +95,7 @@ def _first_line(error: Exception) -> str:
 def check_rank_state(
     directory: str, rank: int, world_size: int, *, require_manifest: bool = True, verify: bool = True
 ) -> None:
-    """`read_rank_state`'s checks, without loading anything."""
+    """`read_rank_state`'s checks, without reading the tensors (the rank file's structure is checked)."""
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint {directory} does not exist (or is not a folder)")
     if require_manifest or os.path.lexists(os.path.join(directory, MANIFEST_FILE)):
