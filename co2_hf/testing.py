@@ -1,13 +1,15 @@
-"""Test helpers for code built on CO2, yours included: local gloo process launching, a recording
-fake communicator and a slow-link wrapper.
+"""Test helpers for code built on CO2, yours included: local gloo process launching and the
+communicator fakes (one worker recording its calls, a recording wrapper, a slow-link wrapper, G
+simulated workers in one process).
 
 Why this module ships inside the package, public: it is to CO2 what ``accelerate.test_utils`` is to
 Accelerate. Whoever writes a training loop, a Trainer subclass or a communicator on top of CO2 needs
 the same things our tests need: N real ranks on one CPU machine, a communicator that records *when*
-the engine launches and waits, a link that is slow on purpose. It needs torch only (importing it loads
-no transformers; tests/test_imports.py checks that), and nothing in the library imports it. Research
-tools (the simulated-worker harness, the benchmarks) are not here: they live in ``scripts/``, which is
-not installed.
+the engine launches and waits, a link that is slow on purpose, G workers in one process. It needs
+torch only (importing it loads no transformers; tests/test_imports.py checks that), and nothing in
+the library imports it. Every communicator fake of the repository is here, the one place to change
+when the `Communicator` interface does. Research tools (the simulated-worker training harness built
+on `SimulatedNetwork`, the benchmarks) are not: they live in ``scripts/``, which is not installed.
 
 `run_processes` runs a function on N fresh CPU processes joined by gloo through a ``file://``
 rendezvous (parallel runs never fight over ports); each rank's return value comes back, an
@@ -18,9 +20,17 @@ modules once, so that many short runs stay cheap.
 
 `FakeCommunicator` is one worker talking to itself (every all-reduce is the identity) that records
 each call, so tests can check *when* the engine launches and waits; a hook can alter the reduced
-buffer (e.g. to put ranks out of step). `DelayedCommunicator` wraps a real communicator and makes
-each outer all-reduce complete no earlier than ``delay_s`` after its launch: a slow link simulated
-honestly (the compute that overlaps it is real).
+buffer (e.g. to put ranks out of step); ``num_workers`` tells the engine it is one of several
+(for what the constructor sizes; nothing travels). `RecordingCommunicator` wraps a real communicator
+and keeps what this rank sent and what each all-reduce returned. `DelayedCommunicator` wraps a real
+communicator and makes each outer all-reduce complete no earlier than ``delay_s`` after its launch:
+a slow link simulated honestly (the compute that overlaps it is real).
+
+`SimulatedNetwork` stands in for the process group of G workers in one process, one thread per
+worker: ``network.communicator(i)`` is worker i's `SimulatedCommunicator`, whose collectives are
+matched by call order and summed in worker order (deterministic). `SimulatedCollectives` are the
+all-to-all and all-gather of the quantized wire between them. `LocalCollectives` are those of a
+world of one rank (each copies its input).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -43,9 +54,20 @@ from .core.comm import Communicator, LocalCommunicator, Pending
 
 
 class FakeCommunicator(LocalCommunicator):
-    """A single worker that records ``("launch", step)`` and ``("wait", step)`` events."""
+    """A single worker that records ``"launch"`` and ``"wait"`` events.
 
-    def __init__(self, *, delay_s: float = 0.0, on_reduce: Callable[[Tensor], None] | None = None) -> None:
+    ``num_workers > 1`` makes the engine believe it is one of that many workers (what it sizes at
+    construction, e.g. the coded wire's residuals); every all-reduce is still the identity, so
+    the sums are not a real run's."""
+
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.0,
+        on_reduce: Callable[[Tensor], None] | None = None,
+        num_workers: int = 1,
+    ) -> None:
+        self.num_workers = num_workers
         self.events: list[str] = []
         self.delay_s = delay_s
         self.on_reduce = on_reduce
@@ -62,6 +84,47 @@ class FakeCommunicator(LocalCommunicator):
         time.sleep(max(pending.completed_at[0] - time.perf_counter(), 0.0))
         if self.on_reduce is not None:
             self.on_reduce(pending.tensor)
+
+
+class RecordingCommunicator(Communicator):
+    """Wraps a communicator; keeps what this rank sent and what the all-reduce returned, per round
+    (``sent``: the buffer at each launch; ``summed``: the raw sum at each wait, before the engine
+    divides it)."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner, self.sent, self.summed = inner, [], []
+        self.num_workers, self.worker_index = inner.num_workers, inner.worker_index
+        self.worker_size, self.shard_index = inner.worker_size, inner.shard_index
+
+    def broadcast_(self, tensors: list[Tensor]) -> None:
+        self.inner.broadcast_(tensors)
+
+    def launch(self, tensor: Tensor) -> Pending:
+        self.sent.append(tensor.clone())
+        return self.inner.launch(tensor)
+
+    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
+        self.sent.append(tensor.clone())
+        return self.inner.launch_coded(tensor, reduce_)
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        self.inner.wait(pending, timeout_s)
+        self.summed.append(pending.tensor.clone())
+
+    def all_reduce_(self, tensor: Tensor) -> None:
+        self.inner.all_reduce_(tensor)
+
+    def worker_ranks(self) -> list[int]:
+        return self.inner.worker_ranks()
+
+    def reduce_stats(self, partials: Tensor) -> Tensor:
+        return self.inner.reduce_stats(partials)
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return self.inner.all_gather(tensor)
+
+    def worker_all_reduce_(self, tensor: Tensor) -> None:
+        self.inner.worker_all_reduce_(tensor)
 
 
 class DelayedCommunicator(Communicator):
@@ -93,6 +156,106 @@ class DelayedCommunicator(Communicator):
 
     def reduce_stats(self, partials: Tensor) -> Tensor:
         return self.inner.reduce_stats(partials)
+
+
+class SimulatedNetwork:
+    """The collectives of G workers, matched by call order: the k-th launch of every worker
+    belongs to the same all-reduce, as on a real process group."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._cond = threading.Condition()
+        self._deposits: dict[tuple, dict[int, Tensor]] = {}
+
+    def communicator(self, index: int) -> SimulatedCommunicator:
+        return SimulatedCommunicator(self, index)
+
+    def deposit(self, key: tuple, index: int, tensor: Tensor) -> None:
+        with self._cond:
+            self._deposits.setdefault(key, {})[index] = tensor.detach().clone()
+            self._cond.notify_all()
+
+    def collect(self, key: tuple, timeout_s: float) -> list[Tensor]:
+        """Every worker's deposit for ``key``, in worker order, once all have arrived."""
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: len(self._deposits.get(key, {})) == self.num_workers, timeout_s)
+            if not arrived:
+                raise RuntimeError(f"simulated collective {key} timed out after {timeout_s}s")
+            return [self._deposits[key][i] for i in range(self.num_workers)]
+
+
+class SimulatedCommunicator(Communicator):
+    """Worker ``index`` of a `SimulatedNetwork`: each worker calls its own from a thread of its own
+    (a blocking collective waits for the other workers' contributions)."""
+
+    def __init__(self, network: SimulatedNetwork, index: int) -> None:
+        self.network, self.worker_index, self.num_workers = network, index, network.num_workers
+        self._calls: dict[str, int] = {}
+
+    def _key(self, kind: str) -> tuple:
+        n = self._calls.get(kind, 0)
+        self._calls[kind] = n + 1
+        return kind, n
+
+    def broadcast_(self, tensors: list[Tensor]) -> None:
+        key = self._key("broadcast")
+        for j, tensor in enumerate(tensors):
+            self.network.deposit((*key, j), self.worker_index, tensor)
+            tensor.copy_(self.network.collect((*key, j), 60)[0])
+
+    def launch(self, tensor: Tensor) -> Pending:
+        pending = Pending(tensor, work=self._key("reduce"))
+        self.network.deposit(pending.work, self.worker_index, tensor)
+        return pending
+
+    def launch_coded(self, tensor: Tensor, reduce_) -> Pending:
+        # the coded all-reduce runs at the wait, in the worker's own thread: every worker waits for
+        # its launches in the same order, so the collectives inside it meet as on a process group
+        return Pending(tensor, work=("coded", reduce_))
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        pending.mark_waited()
+        if pending.work[0] == "coded":
+            pending.work[1](SimulatedCollectives(self))
+        else:
+            parts = self.network.collect(pending.work, timeout_s)
+            pending.tensor.copy_(torch.stack(parts).sum(0))
+        pending.completed_at.append(time.perf_counter())
+
+    def all_reduce_(self, tensor: Tensor) -> None:
+        key = self._key("all_reduce")
+        self.network.deposit(key, self.worker_index, tensor)
+        tensor.copy_(torch.stack(self.network.collect(key, 60)).sum(0))
+
+
+class SimulatedCollectives:
+    """The all-to-all and all-gather of the quantized wire (``Collectives``) between simulated workers."""
+
+    def __init__(self, comm: SimulatedCommunicator) -> None:
+        self.comm, self.world_size, self.rank = comm, comm.num_workers, comm.worker_index
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
+        parts = self._exchange("all_to_all", input)
+        output.copy_(torch.cat([part.view(self.world_size, -1)[self.rank] for part in parts]))
+
+    def all_gather_(self, output: Tensor, input: Tensor) -> None:
+        output.copy_(torch.cat(self._exchange("all_gather", input)))
+
+    def _exchange(self, kind: str, tensor: Tensor) -> list[Tensor]:
+        key = self.comm._key(kind)
+        self.comm.network.deposit(key, self.rank, tensor)
+        return self.comm.network.collect(key, 60)
+
+
+class LocalCollectives:
+    """The quantized wire's collectives (``Collectives``) in a world of one rank: each copies."""
+
+    world_size, rank = 1, 0
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
+        output.copy_(input)
+
+    all_gather_ = all_to_all_
 
 
 def _entry(fn: Callable, rank: int, world: int, init_file: str, out_dir: str, args: tuple) -> None:

@@ -3,8 +3,9 @@
 A research harness, so it lives in ``scripts/`` and not in the installed package: it trains a toy
 task with simulated workers to compare CO2's settings (scripts/sim_sweep.py, docs/choosing_settings.md),
 which no user of the library needs to train a model. It uses the library's public API only
-(``CO2``, ``CO2Config``, the ``Communicator`` interface of ``co2_hf.core``); tests/test_sim.py checks
-that it matches a real two-process run.
+(``CO2``, ``CO2Config``, and `SimulatedNetwork` of ``co2_hf.testing``, a communicator fake built on
+the ``Communicator`` interface of ``co2_hf.core``); tests/test_sim.py checks that it matches a real
+two-process run.
 
 Every worker has its own model, optimizer and `CO2` engine; a `SimulatedNetwork` stands in for the
 process group, so the code path measured is the shipped one. Workers compute one after another;
@@ -21,7 +22,6 @@ workers' micro-batch gradients, exactly what DDP computes.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,93 +32,10 @@ import torch
 from torch import Tensor, nn
 
 from co2_hf import CO2Config
-from co2_hf.core import CO2, Communicator, Pending
+from co2_hf.core import CO2
+from co2_hf.testing import SimulatedNetwork
 
-
-class SimulatedNetwork:
-    """The collectives of G workers, matched by call order: the k-th launch of every worker
-    belongs to the same all-reduce, as on a real process group."""
-
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers
-        self._cond = threading.Condition()
-        self._deposits: dict[tuple, dict[int, Tensor]] = {}
-
-    def communicator(self, index: int) -> SimulatedCommunicator:
-        return SimulatedCommunicator(self, index)
-
-    def deposit(self, key: tuple, index: int, tensor: Tensor) -> None:
-        with self._cond:
-            self._deposits.setdefault(key, {})[index] = tensor.detach().clone()
-            self._cond.notify_all()
-
-    def collect(self, key: tuple, timeout_s: float) -> list[Tensor]:
-        """Every worker's deposit for ``key``, in worker order, once all have arrived."""
-        with self._cond:
-            arrived = self._cond.wait_for(lambda: len(self._deposits.get(key, {})) == self.num_workers, timeout_s)
-            if not arrived:
-                raise RuntimeError(f"simulated collective {key} timed out after {timeout_s}s")
-            return [self._deposits[key][i] for i in range(self.num_workers)]
-
-
-class SimulatedCommunicator(Communicator):
-    def __init__(self, network: SimulatedNetwork, index: int) -> None:
-        self.network, self.worker_index, self.num_workers = network, index, network.num_workers
-        self._calls: dict[str, int] = {}
-
-    def _key(self, kind: str) -> tuple:
-        n = self._calls.get(kind, 0)
-        self._calls[kind] = n + 1
-        return kind, n
-
-    def broadcast_(self, tensors: list[Tensor]) -> None:
-        key = self._key("broadcast")
-        for j, tensor in enumerate(tensors):
-            self.network.deposit((*key, j), self.worker_index, tensor)
-            tensor.copy_(self.network.collect((*key, j), 60)[0])
-
-    def launch(self, tensor: Tensor) -> Pending:
-        pending = Pending(tensor, work=self._key("reduce"))
-        self.network.deposit(pending.work, self.worker_index, tensor)
-        return pending
-
-    def launch_coded(self, tensor: Tensor, reduce_) -> Pending:
-        # the coded all-reduce runs at the wait, in the worker's own thread: every worker waits for
-        # its launches in the same order, so the collectives inside it meet as on a process group
-        return Pending(tensor, work=("coded", reduce_))
-
-    def wait(self, pending: Pending, timeout_s: float) -> None:
-        pending.mark_waited()
-        if pending.work[0] == "coded":
-            pending.work[1](SimulatedCollectives(self))
-        else:
-            parts = self.network.collect(pending.work, timeout_s)
-            pending.tensor.copy_(torch.stack(parts).sum(0))
-        pending.completed_at.append(time.perf_counter())
-
-    def all_reduce_(self, tensor: Tensor) -> None:
-        key = self._key("all_reduce")
-        self.network.deposit(key, self.worker_index, tensor)
-        tensor.copy_(torch.stack(self.network.collect(key, 60)).sum(0))
-
-
-class SimulatedCollectives:
-    """The all-to-all and all-gather of `co2_hf.core.quant.Collectives` between simulated workers."""
-
-    def __init__(self, comm: SimulatedCommunicator) -> None:
-        self.comm, self.world_size, self.rank = comm, comm.num_workers, comm.worker_index
-
-    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
-        parts = self._exchange("all_to_all", input)
-        output.copy_(torch.cat([part.view(self.world_size, -1)[self.rank] for part in parts]))
-
-    def all_gather_(self, output: Tensor, input: Tensor) -> None:
-        output.copy_(torch.cat(self._exchange("all_gather", input)))
-
-    def _exchange(self, kind: str, tensor: Tensor) -> list[Tensor]:
-        key = self.comm._key(kind)
-        self.comm.network.deposit(key, self.rank, tensor)
-        return self.comm.network.collect(key, 60)
+__all__ = ["SimResult", "SimulatedNetwork", "Task", "train_simulated"]  # SimulatedNetwork: tests import it from here
 
 
 @dataclass

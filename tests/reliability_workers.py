@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from workers import SPEC_DEFAULTS
 
 from co2_hf import CO2, CO2Config
-from co2_hf.core.comm import Communicator, Pending, ProcessGroupCommunicator
+from co2_hf.core.comm import ProcessGroupCommunicator
+from co2_hf.testing import RecordingCommunicator
 
 TAU = 4
 
@@ -37,28 +38,6 @@ def regression_loss(model: nn.Module, rank: int, step: int) -> Tensor:
     x = torch.randn(32, 8, generator=g)
     teacher = torch.linspace(-1.0, 1.0, 8).view(8, 1)
     return nn.functional.mse_loss(model(x), x @ teacher)
-
-
-class RecordingCommunicator(Communicator):
-    """Wraps a communicator; keeps what this rank sent and what the all-reduce returned, per round."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner, self.sent, self.summed = inner, [], []
-        self.num_workers, self.worker_index = inner.num_workers, inner.worker_index
-
-    def broadcast_(self, tensors: list[Tensor]) -> None:
-        self.inner.broadcast_(tensors)
-
-    def launch(self, tensor: Tensor) -> Pending:
-        self.sent.append(tensor.clone())
-        return self.inner.launch(tensor)
-
-    def wait(self, pending: Pending, timeout_s: float) -> None:
-        self.inner.wait(pending, timeout_s)
-        self.summed.append(pending.tensor.clone())  # the raw sum, before the engine divides it
-
-    def all_reduce_(self, tensor: Tensor) -> None:
-        self.inner.all_reduce_(tensor)
 
 
 class _Messages(logging.Handler):

@@ -18,6 +18,7 @@ def runs(tmp_path_factory):
     return out, first, run_processes(resumed, 2, out, timeout_s=150)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_no_collective_on_the_default_group_during_local_steps(runs):
     _, first, _ = runs
@@ -27,6 +28,7 @@ def test_no_collective_on_the_default_group_during_local_steps(runs):
         assert full["local_collectives"] == [0] * 12
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_each_rank_saved_its_own_optimizer_state(runs):
     out, _, _ = runs
@@ -36,6 +38,7 @@ def test_each_rank_saved_its_own_optimizer_state(runs):
     assert torch.equal(states[0]["co2"]["anchor"], states[1]["co2"]["anchor"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_save_state_is_published_with_a_manifest_of_every_rank(runs):
     from co2_hf.integrations import checkpoint
@@ -46,6 +49,7 @@ def test_save_state_is_published_with_a_manifest_of_every_rank(runs):
     assert not os.path.exists(os.path.join(os.path.dirname(out), checkpoint.STAGING_DIR))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_load_state_resumes_bit_for_bit(runs):
     _, first, final = runs
@@ -54,6 +58,7 @@ def test_load_state_resumes_bit_for_bit(runs):
             assert torch.equal(final[rank]["final"][name], value), (rank, name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_saved_model_file_is_the_anchor(runs):
     from safetensors.torch import load_file
@@ -191,6 +196,7 @@ def test_one_process_warns_and_an_exception_skips_the_collective_finalize(tmp_pa
     assert json.loads((tmp_path / "co2_config.json").read_text())["co2_local_steps"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_accelerate_loop_recipe_runs_the_baseline(tmp_path):
     """recipes/accelerate_loop.py --co2_enabled false (it used to crash in CO2's constructor)."""
@@ -211,7 +217,7 @@ def refusals(runs, tmp_path_factory):
     import shutil
 
     from reliability_workers import corrupt
-    from test_trust import Payload, rehash, rewrite_manifest
+    from tampering import Payload, rehash, rewrite_manifest
 
     out, _, _ = runs
     root = tmp_path_factory.mktemp("refusals")
@@ -223,8 +229,9 @@ def refusals(runs, tmp_path_factory):
         folder = folders / case
         shutil.copytree(out, folder)
         if name == "co2_rank1.pt":
-            torch.save({"co2": Payload(str(root / "code_ran")), "model": {}, "optimizer": None, "scaler": None},
-                       folder / name)
+            torch.save(
+                {"co2": Payload(str(root / "code_ran")), "model": {}, "optimizer": None, "scaler": None}, folder / name
+            )
         else:
             torch.save(Payload(str(root / "code_ran")), folder / name)
         rewrite_manifest(str(folder), rehash(str(folder)))
@@ -252,6 +259,7 @@ def _list(name: str, folder: str):
     return change
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_load_state_refuses_a_same_size_corruption_naming_the_file_on_every_rank(refusals):
     """8 bytes overwritten in the middle of a rank file, the model or the optimizer: every rank
@@ -265,6 +273,7 @@ def test_load_state_refuses_a_same_size_corruption_naming_the_file_on_every_rank
     assert ranks[0]["errors"]["co2_rank1.pt"].startswith("rank 1 refused the checkpoint: ")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_nothing_in_a_hostile_checkpoint_runs(runs, refusals):
     """No custom-object pickle is written or read; a rank file carrying a payload, with a manifest
@@ -274,8 +283,9 @@ def test_nothing_in_a_hostile_checkpoint_runs(runs, refusals):
     assert not [n for n in os.listdir(out) if n.startswith("custom_checkpoint")]
     for rank, result in enumerate(ranks):
         # a custom-object file is never opened: refused, as no object is registered
-        assert "1 custom-object file(s) (custom_checkpoint_0.pkl) and 0 object(s) are registered" in (
-            result["errors"]["hostile_custom_object"]
+        assert (
+            "1 custom-object file(s) (custom_checkpoint_0.pkl) and 0 object(s) are registered"
+            in (result["errors"]["hostile_custom_object"])
         ), rank
         error = result["errors"]["hostile_rank_file"]
         assert "co2_rank1.pt holds something other than tensors" in error, (rank, error)
@@ -283,6 +293,7 @@ def test_nothing_in_a_hostile_checkpoint_runs(runs, refusals):
     assert not (root / "code_ran").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_refusals_reach_every_rank_at_once(refusals):
     root, ranks = refusals

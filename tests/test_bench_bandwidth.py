@@ -15,6 +15,8 @@ from scripts import scaling_model as sm
 from scripts.bandwidth import analysis, cli, netns, plan, worker
 from scripts.bench_overlap import SEQ
 
+pytestmark = pytest.mark.research  # the benchmark code of scripts/
+
 
 def _dry_run_commands(capsys, *argv: str) -> list[str]:
     cli.main(["--dry-run", *argv])
@@ -209,6 +211,7 @@ def test_wires_make_one_run_per_wire_type_and_bad_ones_are_refused(capsys):
     assert "--wires must be among float32, bfloat16, int8, int4" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_loopback_smoke_run(tmp_path, capsys):
     out, png = tmp_path / "out.jsonl", tmp_path / "plot.png"

@@ -8,8 +8,10 @@ import os
 import pytest
 import torch
 from distributed import run_processes
-from test_update import CO2_ROWS, DILOCO_ROWS
+from tables import CO2_ROWS, DILOCO_ROWS
 from workers import ddp_versus_co2, resume, run_then_stop, wire_dtypes, worked_example
+
+pytestmark = pytest.mark.slow  # every test runs two gloo processes
 
 CO2_EXAMPLE = dict(co2_outer_momentum=0.5, co2_gap_penalty=1.0, co2_clip_threshold=0.25)
 DILOCO_EXAMPLE = dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9)

@@ -7,6 +7,8 @@ import torch
 from distributed import run_processes
 from workers import SPEC_DEFAULTS, train_engine, train_reference
 
+pytestmark = pytest.mark.slow  # every test reads runs of two and three gloo processes
+
 TAU = 3
 
 
@@ -65,9 +67,7 @@ SCENARIOS = {
 
 
 def _all_scenarios(rank: int, world: int) -> dict:
-    return {
-        name: train_engine(rank, world, with_tau(kw), steps(with_tau(kw))) for name, kw in SCENARIOS.items()
-    }
+    return {name: train_engine(rank, world, with_tau(kw), steps(with_tau(kw))) for name, kw in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])

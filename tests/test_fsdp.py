@@ -12,6 +12,8 @@ from distributed import run_processes
 from fsdp_workers import evaluation_on_the_anchor, fsdp_over_every_process, fsdp_stop_and_resume, train_fsdp
 from workers import SPEC_DEFAULTS, assert_same_anchors, reference_hierarchical
 
+pytestmark = pytest.mark.slow  # every test reads runs of four gloo processes
+
 K, STEPS = 2, 3 * 4 + 2
 SCENARIOS = {
     "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.05),

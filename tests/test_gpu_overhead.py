@@ -8,6 +8,8 @@ import torch
 
 from scripts import gpu_overhead
 
+pytestmark = pytest.mark.research  # the benchmark code of scripts/
+
 
 def _line(run: str, step_times: list[float], tau: int, repeat: int = 0) -> dict:
     """What ``gpu_overhead.run`` reports for steps that took ``step_times`` (whole rounds of tau)."""
@@ -46,6 +48,7 @@ def test_each_run_is_compared_with_plain_of_its_own_repeat():
     assert summary["boundary_s"] == pytest.approx(0.2)  # at plain's median step, 1.0 s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_smoke_run_on_the_cpu_reports_every_run(capsys):
     argv = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--batch", "1", "--tau", "2"]
@@ -64,6 +67,7 @@ def test_smoke_run_on_the_cpu_reports_every_run(capsys):
         gpu_overhead.main([*argv, "--rounds", "0"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_run_times_whole_rounds_with_gpu_and_host_state(capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_readiness_workers import FROZEN_TIMEOUT_S, frozen_peer_inside_a_worker
-from test_reliability import SLACK_S
+from tables import SLACK_S
 from workers import TinyNet
 
 from co2_hf import CO2, CO2Config
@@ -177,6 +177,7 @@ def frozen_runs():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("where", "what"),
     [

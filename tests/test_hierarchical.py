@@ -19,6 +19,8 @@ from workers import (
     train_hierarchical,
 )
 
+pytestmark = pytest.mark.slow  # every test reads runs of four gloo processes
+
 K, STEPS = 2, 3 * 4 + 2
 SCENARIOS = {
     "co2": dict(co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.05),

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("co2_hf", "recipes", "scripts", "tests")  # the repository's own code
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_core_import_loads_torch_only():
     code = (

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test launches processes and runs a script end to end
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,7 @@ def test_accelerate_launch_with_the_cpu_config_runs_two_processes(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.research
 @pytest.mark.timeout(150)
 def test_a_users_script_ends_with_no_gloo_thread_left_for_interpreter_exit(tmp_path):
     """A CO2Trainer script that ends without trainer.end(): co2_hf destroys the process groups at exit,
@@ -45,8 +48,6 @@ def test_a_users_script_ends_with_no_gloo_thread_left_for_interpreter_exit(tmp_p
     ``terminate called without an active exception`` abort; scripts/exit_check.py runs it 100 times)."""
     from scripts import exit_check
 
-    result = exit_check.one_run(
-        str(tmp_path / "run"), steps=8, wire="float32", amplify_ms=0, shim=None, timeout_s=140
-    )
+    result = exit_check.one_run(str(tmp_path / "run"), steps=8, wire="float32", amplify_ms=0, shim=None, timeout_s=140)
     assert result["clean"], result["tail"]
     assert result["gloo_threads_at_exit"] == [0, 0], result

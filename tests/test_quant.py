@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from quant_workers import engine_over_the_wire, hierarchical_over_the_wire, quantized_rounds_every_width
-from test_fragments import Workers
+from simulated import Workers
 from workers import reference_hierarchical
 
 from co2_hf import CO2Config
 from co2_hf.core.quant import ErrorFeedback, coded_nbytes, dequantize, padded_numel, quantize, quantized_all_reduce_
-from co2_hf.testing import run_processes
+from co2_hf.testing import FakeCommunicator, LocalCollectives, run_processes
 
 pytestmark = pytest.mark.timeout(120)
 BITS = [8, 4]
@@ -95,6 +95,7 @@ def reduced():
     return {world: run_processes(quantized_rounds_every_width, world, tuple(BITS), 4) for world in (2, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("bits", BITS)
 def test_quantized_all_reduce_equals_the_naive_reference_bitwise_on_every_rank(reduced, world, bits):
@@ -113,16 +114,8 @@ def test_quantized_all_reduce_equals_the_naive_reference_bitwise_on_every_rank(r
 def test_any_length_is_coded_zero_padded_to_whole_blocks_per_rank():
     assert padded_numel(100, world=3, block=8) == 120 and padded_numel(120, world=3, block=8) == 120
 
-    class One:  # a world of one rank: the collectives copy
-        world_size, rank = 1, 0
-
-        def all_to_all_(self, output, input):
-            output.copy_(input)
-
-        all_gather_ = all_to_all_
-
     x = _x(numel=64 * 3)[:150]
-    got = quantized_all_reduce_(x.clone(), One(), bits=8, block=64)
+    got = quantized_all_reduce_(x.clone(), LocalCollectives(), bits=8, block=64)  # one rank: each copies
     once = dequantize(*quantize(torch.cat([x, torch.zeros(42)]), bits=8, block=64, stochastic=False), bits=8, block=64)
     assert got.shape == x.shape
     assert torch.equal(got, dequantize(*quantize(once, bits=8, block=64, stochastic=False), bits=8, block=64)[:150])
@@ -138,6 +131,7 @@ def over_gloo():
     return {world: run_processes(engine_over_the_wire, world, WIRES, 12) for world in (2, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_coded_wire_agrees_across_ranks_and_stays_near_float32(over_gloo, world):
     ranks = over_gloo[world]
@@ -152,11 +146,13 @@ def test_a_coded_wire_agrees_across_ranks_and_stays_near_float32(over_gloo, worl
         assert any(not torch.equal(final[k], v) for k, v in exact.items()), dtype  # it was coded
 
 
+@pytest.mark.slow
 def test_the_coded_all_reduce_runs_off_the_main_thread(over_gloo):
     for rank in over_gloo[2]:
         assert rank["threads"] == ["co2-coded-all-reduce"] and rank["main"] not in rank["threads"]
 
 
+@pytest.mark.slow
 def test_workers_of_two_processes_each_code_their_own_slice():
     runs = run_processes(hierarchical_over_the_wire, 4, 12)
     exact = reference_hierarchical(2, 2, dict(co2_local_steps=4), 12)
@@ -208,19 +204,19 @@ def test_a_coded_wire_holds_two_residuals_beside_the_outer_state():
     from workers import TinyNet
 
     from co2_hf.core import CO2
-    from co2_hf.core.comm import LocalCommunicator
 
-    class TwoWorkers(LocalCommunicator):  # only what the constructor reads: nothing travels here
-        num_workers = 2
+    def two_workers():  # only what the constructor reads: nothing travels here
+        return FakeCommunicator(num_workers=2)
 
-    plain = CO2(TinyNet(seed=0), CO2Config(co2_local_steps=6, co2_fragments=3), communicator=TwoWorkers())
-    coded = CO2(TinyNet(seed=0), CO2Config(**CODED), communicator=TwoWorkers())
+    plain = CO2(TinyNet(seed=0), CO2Config(co2_local_steps=6, co2_fragments=3), communicator=two_workers())
+    coded = CO2(TinyNet(seed=0), CO2Config(**CODED), communicator=two_workers())
     # per fragment: its own residual (the payload padded to whole blocks per worker), and the
     # residual of the half of the sum it owns
     residuals = sum(4 * padded_numel(part.layout.shard_numel, world=2, block=8) * 3 // 2 for part in coded.fragments)
     assert coded.outer_state_nbytes() == plain.outer_state_nbytes() + residuals
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_trainer_resumes_an_int8_wire_bit_for_bit_from_its_checkpoint(tmp_path):
     """Through CO2Trainer's checkpoints (the residuals travel in each rank's file) on 2 processes."""

@@ -48,6 +48,7 @@ def _compare(
     return [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gpt_recipe_offline_default_two_processes(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,6 +105,7 @@ def _check_card(folder: Path, final: dict, *, task: str, dataset: str, world_siz
     assert f"- Loss: {final['eval_loss']:.4f}" in card.text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_vit_recipe_offline_default_through_a_baseline_method_with_fsdp2_inside_one_worker(tmp_path):
     """The ViT recipe, local SGD, its 2 processes one worker (co2_worker_size 2) sharded by FSDP2."""
@@ -142,6 +144,7 @@ def _pipeline_matches_training_preprocessing(folder: Path, model) -> None:
     assert max(abs(scores[i] - probs[i].item()) for i in range(10)) < 1e-3
 
 
+@pytest.mark.research
 @pytest.mark.timeout(20)
 def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
     from scripts import compare_methods
@@ -157,6 +160,7 @@ def test_compare_methods_table_gives_mean_std_and_ratios_by_hand():
     assert rows[3] == "| CO2 (the recipe's defaults) | 1 | 5.1000 | nan | 1.020 |"
 
 
+@pytest.mark.research
 @pytest.mark.timeout(20)
 def test_compare_methods_tables_every_recorded_run_with_the_latest_line_of_each(tmp_path):
     from scripts import compare_methods
@@ -394,6 +398,7 @@ def _tiny_checkpoint(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_continued_pretraining_of_a_checkpoint_on_a_text_file(tmp_path):
     """--model_name_or_path: the run starts from the checkpoint's weights (at learning rate 0 it
@@ -464,6 +469,7 @@ def _image_folder(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_vit_on_an_imagefolder_with_augmentation_and_a_pipeline_on_the_output(tmp_path):
     from PIL import Image

@@ -13,13 +13,13 @@ import shutil
 import pytest
 import torch
 from reliability_workers import FAULT_TIMEOUT_S, FAULTS, NAN_STEP, TAU, corrupt, nan_suite, peer_faults
+from tables import SLACK_S  # scheduling noise on a loaded 2-core machine
 
 from co2_hf import CO2, CO2Config
 from co2_hf.integrations import checkpoint
 from co2_hf.testing import HF_PRELOAD, FakeCommunicator, run_with_faults
 from scripts import soak
 
-SLACK_S = 1.5  # scheduling noise on a loaded 2-core machine
 # a safety net for the tests that may set up the module's shared runs (about 15-20 s each on 2 free
 # cores; more than twice that when the machine is busy)
 SHARED_RUNS_TIMEOUT_S = 120
@@ -165,6 +165,7 @@ def nan_runs():
     return [o["result"] for o in outcomes]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_a_nan_worker_sends_nothing_and_D_is_the_other_workers_outer_gradient(nan_runs):
     first, second = (r["one"] for r in nan_runs)
@@ -179,6 +180,7 @@ def test_a_nan_worker_sends_nothing_and_D_is_the_other_workers_outer_gradient(na
     assert any("non-finite outer gradient at round 2" in m for m in second["warnings"]), second["warnings"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_after_a_nan_worker_anchors_stay_finite_and_equal_and_the_loss_keeps_falling(nan_runs):
     first, second = (r["one"] for r in nan_runs)
@@ -198,6 +200,7 @@ def test_after_a_nan_worker_anchors_stay_finite_and_equal_and_the_loss_keeps_fal
     assert three_rounds_later < 0.8 * just_after, (float(just_after), float(three_rounds_later))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_when_no_worker_is_finite_the_update_is_skipped_then_training_stops(nan_runs):
     first, second = (r["none"] for r in nan_runs)
@@ -238,6 +241,7 @@ def fault_runs(tmp_path_factory):
     return {FAULTS[r // 2]: outcomes[r] for r in survivors}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 @pytest.mark.parametrize(("signame", "when", "wire"), FAULTS, ids=[f"{s}-{w}-{c}" for s, w, c in FAULTS])
 def test_a_dead_or_frozen_peer_stops_the_other_rank_with_co2s_error(fault_runs, signame, when, wire):
@@ -270,6 +274,8 @@ def soaked(tmp_path_factory):
     return out, soak.soak(out, steps=40, faults=SOAK_FAULTS, save_steps=10, timeout_s=SOAK_TIMEOUT_S)
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_a_save_killed_halfway_is_never_visible_and_resume_takes_the_last_complete(soaked):
     _, result = soaked
@@ -280,6 +286,8 @@ def test_a_save_killed_halfway_is_never_visible_and_resume_takes_the_last_comple
     assert killed_in_save["survivor_stopped_after_s"] < SOAK_TIMEOUT_S + SLACK_S
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_a_frozen_peer_stops_the_trainer_within_the_timeout(soaked):
     _, result = soaked
@@ -287,6 +295,8 @@ def test_a_frozen_peer_stops_the_trainer_within_the_timeout(soaked):
     assert frozen["survivor_stopped_after_s"] < SOAK_TIMEOUT_S + SLACK_S, frozen  # ddp_timeout followed
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_short_soak_ends_bit_identical_to_an_uninterrupted_run(soaked):
     out, result = soaked
@@ -295,6 +305,8 @@ def test_short_soak_ends_bit_identical_to_an_uninterrupted_run(soaked):
     assert not os.path.exists(os.path.join(out, "faulted", checkpoint.STAGING_DIR))  # cleared by later saves
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_incomplete_or_mismatched_checkpoints_are_refused(soaked, tmp_path):
     out, _ = soaked
@@ -330,6 +342,8 @@ CORRUPTED = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soaked, tmp_path):
     out, _ = soaked
@@ -353,6 +367,8 @@ def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soak
         checkpoint.read_rank_state(folder, 1, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.research
 @pytest.mark.timeout(SHARED_RUNS_TIMEOUT_S)
 def test_a_manifest_without_checksums_is_refused(soaked, tmp_path):
     """Format 1 (sizes only, saved before checksums) cannot say whether its files are the ones saved:
@@ -463,7 +479,7 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
             again.train(resume_from_checkpoint=str(folder))
         assert again.state.global_step == 0 and again.co2 is None  # before CO2 or training started
     # a payload in the rank file, the manifest rewritten to match: refused before it runs
-    from test_trust import Payload, rehash, rewrite_manifest
+    from tampering import Payload, rehash, rewrite_manifest
 
     hostile, marker = tmp_path / "hostile", str(tmp_path / "code_ran")
     shutil.copytree(tmp_path / "run" / "checkpoint-4", hostile)

@@ -8,6 +8,8 @@ import torch
 from distributed import run_processes
 from reshard_workers import RESUMED, RUNS, resume_runs, save_runs
 
+pytestmark = pytest.mark.slow  # every test reads runs of one, two and three gloo processes
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -10,6 +10,8 @@ from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, sim_task, t
 from co2_hf import CO2Config
 from scripts.sim import Task, train_simulated
 
+pytestmark = pytest.mark.research  # the simulated-worker harness of scripts/ (the real two-process run is also slow)
+
 SETTINGS = {
     "co2": dict(SPEC_DEFAULTS, co2_local_steps=3, co2_outer_momentum=0.5, co2_clip_threshold=0.5),
     "streaming": dict(co2_local_steps=3, co2_clip_threshold=0.5),  # the defaults: fragments
@@ -37,6 +39,7 @@ def real_runs():
     return run_processes(_real, 2, timeout_s=100)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_simulated_workers_match_a_real_two_process_run(real_runs, name):

@@ -29,6 +29,7 @@ def suite(tmp_path_factory):
     return out, run_processes(two_process_suite, 2, out, timeout_s=230)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_collective_on_the_default_group_during_local_steps(suite):
     _, ranks = suite
@@ -38,6 +39,7 @@ def test_no_collective_on_the_default_group_during_local_steps(suite):
         assert result["windows"] and all(n == 0 for n in result["windows"]), result["windows"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_anchors_are_equal_across_ranks_after_every_round(suite):
     _, ranks = suite
@@ -48,6 +50,7 @@ def test_anchors_are_equal_across_ranks_after_every_round(suite):
         assert torch.equal(value, second["final"][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_co2_metrics_reach_the_log_history(suite):
     _, ranks = suite
@@ -69,6 +72,7 @@ def test_co2_metrics_reach_the_log_history(suite):
     assert any("eval_loss" in entry for entry in history[:-2])  # evaluated mid-run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_load_best_model_at_end_saves_and_evaluates_the_best_checkpoint_bit_for_bit(suite):
     """As with the plain Trainer: after training with ``load_best_model_at_end`` the model is the best
@@ -86,6 +90,7 @@ def test_load_best_model_at_end_saves_and_evaluates_the_best_checkpoint_bit_for_
     assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in kept)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_saved_folder_is_the_anchor_and_loads_with_from_pretrained(suite):
     out, ranks = suite
@@ -99,6 +104,7 @@ def test_saved_folder_is_the_anchor_and_loads_with_from_pretrained(suite):
     assert saved["co2_local_steps"] == 4 and saved["world_size"] == 2 and saved["num_workers"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_model_card_has_tags_hyperparameters_and_citation(suite):
     out, _ = suite
@@ -110,6 +116,7 @@ def test_model_card_has_tags_hyperparameters_and_citation(suite):
     assert "| `co2_outer_momentum` | `0.2` |" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_co2_disabled_is_the_plain_trainer(suite):
     _, ranks = suite
@@ -119,6 +126,7 @@ def test_co2_disabled_is_the_plain_trainer(suite):
         assert len(result["disabled"]["plain"]) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stopped_mid_round_and_resumed_is_bit_identical(suite):
     out, ranks = suite
@@ -131,6 +139,7 @@ def test_stopped_mid_round_and_resumed_is_bit_identical(suite):
             assert torch.equal(final[rank][name], value), (rank, name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_checkpoint_model_files_hold_the_anchor(suite):
     from transformers import AutoModelForCausalLM
@@ -145,6 +154,7 @@ def test_checkpoint_model_files_hold_the_anchor(suite):
     assert not torch.equal(local["transformer.wte.weight"].reshape(-1), wte)  # mid-round: local != anchor
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_with_co2_elastic_a_two_process_checkpoint_resumes_on_one_and_on_three(suite, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -184,6 +194,7 @@ def test_with_co2_elastic_a_two_process_checkpoint_resumes_on_one_and_on_three(s
 # ---------------------------------------------------------------- single process: refusals and the Hub
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_with_other_settings_or_world_size_is_refused(suite, tmp_path):
     out, _ = suite

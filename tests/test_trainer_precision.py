@@ -32,6 +32,7 @@ def test_bf16_weights_keep_an_fp32_anchor_and_save_bf16(tmp_path):
     assert torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight)
 
 
+@pytest.mark.slow  # torch.compile traces the model: about 7 s on 2 cores
 def test_torch_compile_sees_the_in_place_reset(tmp_path):
     args = make_args(str(tmp_path), torch_compile=True, torch_compile_backend="eager")
     trainer = CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())

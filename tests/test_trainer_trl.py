@@ -22,6 +22,7 @@ def sft(tmp_path_factory):
     return out, run_processes(sft_run, 2, out, timeout_s=200)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sft_with_co2_issues_no_collective_during_local_steps(sft):
     _, ranks = sft
@@ -30,6 +31,7 @@ def test_sft_with_co2_issues_no_collective_during_local_steps(sft):
         assert result["windows"] and all(n == 0 for n in result["windows"]), result["windows"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sft_metric_gathers_are_local_and_said_so_once(sft):
     _, ranks = sft
@@ -40,6 +42,7 @@ def test_sft_metric_gathers_are_local_and_said_so_once(sft):
     assert len(said) == 1, ranks[0]["warnings"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sft_outputs_are_the_anchor(sft):
     from transformers import AutoModelForCausalLM

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from tampering import Payload, rehash, rewrite_manifest
 from workers import TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2Config, CO2TrainingArguments
@@ -22,16 +23,6 @@ from co2_hf.integrations import checkpoint, publish
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Payload:
-    """Unpickled, it creates the folder ``marker``: the proof that code from a checkpoint ran."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.makedirs, (self.marker,))
 
 
 def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None = None) -> str:
@@ -44,28 +35,6 @@ def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None =
     torch.save(state, checkpoint.rank_file(staging, 0))
     publish.publish(staging, folder, rank=0, leader=0, world_size=1, step=4, own="co2_rank0.pt")
     return folder
-
-
-def rewrite_manifest(folder: str, change) -> None:
-    """What an attacker (or a careless script) does: change the folder, then make the manifest match."""
-    path = os.path.join(folder, publish.MANIFEST_FILE)
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest = change(manifest)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
-
-
-def rehash(folder: str):
-    def change(manifest):
-        for name in manifest["files"]:
-            path = os.path.join(folder, name)
-            manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": publish.file_checksum(path)}
-        for entry in manifest["ranks"].values():
-            entry["bytes"] = manifest["files"][entry["file"]]["bytes"]
-        return manifest
-
-    return change
 
 
 # ---------------------------------------------------------------------- item 1: nothing is unpickled

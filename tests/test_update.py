@@ -10,37 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import ReferenceCO2
+from tables import CO2_ROWS, DILOCO_ROWS, OUTER
 from torch import nn
 
 from co2_hf import CO2Config
 from co2_hf.core import update
 from co2_hf.core.layout import FlatLayout
 from co2_hf.core.rules import ConstantPenalty, GapAwarePenalty, NoPenalty, make_penalty
+from co2_hf.core.schedule import Plan
 
 pytestmark = pytest.mark.timeout(30)
 f64 = dict(dtype=torch.float64)
 
-# Outer gradients d^i_t of the worked example: OUTER[t] = (worker 0, worker 1)
-OUTER = [
-    ((0.10, -0.20), (0.30, 0.00)),
-    ((0.05, 0.10), (0.15, -0.10)),
-    ((-0.20, 0.40), (0.00, 0.20)),
-    ((0.10, 0.10), (0.10, 0.30)),
-]
-CO2_ROWS = [  # anchor, momentum, penalty after each boundary, then after finalize
-    ((1.0, -2.0), (0.0, 0.0), None),
-    ((0.8, -1.9), (0.2, -0.1), (1.0, 1.0)),
-    ((0.675, -1.85), (0.125, -0.05), (0.25, 0.5)),
-    ((0.7087783, -2.0977075), (-0.0337783, 0.2477075), (1.0, 1.0)),
-    ((0.6284560, -2.3344528), (0.0803223, 0.2367453), (1.0, 0.6055528)),
-]
-DILOCO_ROWS = [
-    ((0.7340000, -1.8670000), (0.2000000, -0.1000000)),
-    ((0.4876000, -1.8103000), (0.2800000, -0.0900000)),
-    ((0.4618400, -2.1582700), (0.1520000, 0.2190000)),
-    ((0.2426560, -2.5484430), (0.2368000, 0.3971000)),
-]
 
+def _penalty(config: CO2Config, layout: FlatLayout):
+    """The penalty a run with ``config`` applies to stale updates (its plan decides)."""
+    return make_penalty(Plan.resolve(config), config, layout, torch.device("cpu"))
 
 def _mean_outer(t: int) -> torch.Tensor:
     return torch.tensor(OUTER[t], **f64).mean(0)
@@ -151,7 +136,7 @@ def test_constant_penalty():
     assert update.constant_penalty(4.0) == 0.25
     assert update.constant_penalty(0.5) == 1.0
     cfg = dict(co2_gap_penalty=4.0, co2_gap_penalty_mode="constant", co2_fragments=1)
-    penalty = make_penalty(CO2Config(**cfg), FlatLayout(_module(w=3)), torch.device("cpu"))
+    penalty = _penalty(CO2Config(**cfg), FlatLayout(_module(w=3)))
     assert isinstance(penalty, ConstantPenalty)
     d = torch.ones(3)
     assert float(penalty.scale_(d, torch.zeros(3), penalty.partials(d)[:-1])) == pytest.approx(0.75)
@@ -163,7 +148,7 @@ def test_constant_penalty():
 
 def test_penalty_off_is_no_penalty():
     layout = FlatLayout(_module(w=3))
-    assert type(make_penalty(CO2Config(co2_gap_penalty=0.0), layout, torch.device("cpu"))) is NoPenalty
+    assert type(_penalty(CO2Config(co2_gap_penalty=0.0), layout)) is NoPenalty
     d = torch.full((3,), 0.01)
     assert float(NoPenalty().scale_(d, torch.ones(3), NoPenalty().partials(d)[:-1])) == 3.0
     assert torch.equal(d, torch.full((3,), 0.01))
@@ -232,21 +217,22 @@ def test_nesterov_clip_bounds_momentum_not_the_gradient_term():
 def test_the_start_rule_is_picked_once_from_its_table(settings, rule):
     from co2_hf.core.rules import make_start_rule
 
-    start = make_start_rule(CO2Config(**settings), torch.zeros(3), 3, dtype=torch.float32)
+    config = CO2Config(**settings)
+    start = make_start_rule(Plan.resolve(config), config, torch.zeros(3), 3, dtype=torch.float32)
     assert type(start).__name__ == rule
     assert (start.offset is None) == (rule == "AnchorStart")  # the anchor rule holds no memory
 
 
 def test_the_round_schedule_says_what_is_due_after_each_step():
-    from co2_hf.core.schedule import Event, RoundSchedule
+    from co2_hf.core.schedule import Event
 
     apply, boundary = Event.APPLY_IN_ROUND, Event.BOUNDARY
-    full = RoundSchedule(local_steps=3, window_steps=None)
+    full = Plan.resolve(CO2Config(co2_local_steps=3, co2_fragments=1))
     assert [full.due(s) for s in (1, 2, 3)] == [(), (), ((boundary, 0),)]
-    window = RoundSchedule(local_steps=3, window_steps=1)
+    window = Plan.resolve(CO2Config(co2_local_steps=3, co2_overlap_steps=1))
     assert [window.due(s) for s in (1, 2, 3)] == [((apply, 0),), (), ((boundary, 0),)]
     # three fragments, tau 6: every 2 steps the previous fragment applies, then the next one launches
-    streaming = RoundSchedule(local_steps=6, window_steps=2, fragments=3)
+    streaming = Plan.resolve(CO2Config(co2_local_steps=6, co2_fragments=3))
     assert [streaming.due(s) for s in range(1, 7)] == [
         (),
         ((apply, 2), (boundary, 0)),
@@ -263,6 +249,6 @@ def test_the_round_schedule_says_what_is_due_after_each_step():
 
 def test_fragments_have_no_penalty_since_no_fragment_update_is_stale():
     layout = FlatLayout(_module(w=3))
-    assert type(make_penalty(CO2Config(co2_gap_penalty=1.0), layout, torch.device("cpu"))) is NoPenalty
+    assert type(_penalty(CO2Config(co2_gap_penalty=1.0), layout)) is NoPenalty
     one = CO2Config(co2_gap_penalty=1.0, co2_fragments=1)
-    assert type(make_penalty(one, layout, torch.device("cpu"))) is GapAwarePenalty
+    assert type(_penalty(one, layout)) is GapAwarePenalty
