@@ -100,7 +100,7 @@ def run(name: str, args) -> dict:
 
 
 class _OneRank:
-    """`co2_hf.core.quant.Collectives` of a world of one: every collective is a copy."""
+    """`co2_hf.core.collectives.Collectives` of a world of one: every collective is a copy."""
 
     world_size, rank = 1, 0
 
@@ -114,12 +114,13 @@ def codec_cost(name: str, args, numel: int) -> dict:
     """Seconds per round that the quantized all-reduce of ``numel`` values in tau fragments computes."""
     from co2_hf.config import CODE_BITS
     from co2_hf.core.quant import ErrorFeedback, padded_numel, quantized_all_reduce_
+    from co2_hf.core.wire import header_numel
 
     part = -(-numel // args.tau)
     x = torch.randn(part, device=args.device) * 1e-3
     sent = ErrorFeedback(padded_numel(part, world=1, block=128), device=args.device)
     owned = ErrorFeedback(padded_numel(part, world=1, block=128), device=args.device)
-    header = torch.zeros(1 + 32 + 2, device=args.device)
+    header = torch.zeros(header_numel(2), device=args.device)  # the engine's header for two workers
 
     def one_round() -> None:
         for _ in range(args.tau):

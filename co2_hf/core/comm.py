@@ -1,6 +1,6 @@
 """How CO2 talks to other workers: an injectable communicator.
 
-The engine needs five verbs (``docs/algorithm.md``, "Communication"):
+The engine needs these eight verbs (``docs/algorithm.md``, "Communication"), and ``worker_ranks``:
 
 - ``broadcast_``: copy tensors from the first rank to every rank (blocking; at start-up);
 - ``launch``: start a SUM all-reduce of the outer buffer across workers and return at once;
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .quant import Collectives, GroupCollectives
+from .collectives import Collectives, GroupCollectives
 
 
 @dataclass

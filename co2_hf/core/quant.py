@@ -23,11 +23,12 @@ Only ``all_to_all_single`` and the single-tensor all-gather are used: gloo and N
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from .collectives import Collectives, GroupCollectives
 
 LEVELS = {8: 127, 4: 7}  # largest code magnitude for each width (symmetric: no zero point)
 
@@ -82,32 +83,6 @@ class ErrorFeedback:
         codes, scales = quantize(target, **how)
         target.sub_(dequantize(codes, scales, bits=how["bits"], block=how["block"]))
         return codes, scales
-
-
-class Collectives(Protocol):
-    """The two collectives the quantized all-reduce needs, over ``world_size`` ranks (a process
-    group: `GroupCollectives`; the simulation of scripts/sim.py has its own). Both block."""
-
-    world_size: int
-    rank: int
-
-    def all_to_all_(self, output: Tensor, input: Tensor) -> None: ...
-
-    def all_gather_(self, output: Tensor, input: Tensor) -> None: ...
-
-
-class GroupCollectives:
-    """`Collectives` over a torch.distributed process group (None: the default group)."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
-        dist.all_to_all_single(output, input, group=self.group)
-
-    def all_gather_(self, output: Tensor, input: Tensor) -> None:
-        _all_gather_single(output, input, group=self.group)
 
 
 def padded_numel(numel: int, *, world: int, block: int) -> int:
@@ -234,9 +209,6 @@ class QuantizedWire:
 
 
 # torch 2.13 renamed all_gather_into_tensor (kept, with a FutureWarning) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _levels(bits: int) -> int:
     return LEVELS[_checked_bits(bits)]
 
