@@ -9,6 +9,7 @@ from workers import TinyNet, batch, loss_on, make_optimizer, train_steps
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core import worker_mesh
+from co2_hf.core.wire import header_numel
 
 
 def sharded_tiny_net(k: int) -> TinyNet:
@@ -37,7 +38,7 @@ def train_fsdp(rank: int, world: int, cfg_kwargs: dict, steps: int) -> dict:
     co2 = CO2(model, CO2Config(**cfg_kwargs), optimizer=optimizer)
     launched = []
     launch = co2.comm.launch
-    header = co2.fragments[0].wire.fp32.numel() - co2.layout.shard_numel
+    header = header_numel(co2.num_workers)
     co2.comm.launch = lambda t: launched.append(t.numel() - header) or launch(t)
     anchors = []
     for step in range(steps):

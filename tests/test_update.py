@@ -27,6 +27,7 @@ def _penalty(config: CO2Config, layout: FlatLayout):
     """The penalty a run with ``config`` applies to stale updates (its plan decides)."""
     return make_penalty(Plan.resolve(config), config, layout, torch.device("cpu"))
 
+
 def _mean_outer(t: int) -> torch.Tensor:
     return torch.tensor(OUTER[t], **f64).mean(0)
 

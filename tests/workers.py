@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from co2_hf import CO2, CO2Config
+from co2_hf.core.wire import header_numel
 
 VOCAB, DIM = 16, 8
 
@@ -265,7 +266,7 @@ def train_hierarchical(rank: int, world: int, cfg_kwargs: dict, steps: int) -> d
         "launched_bytes": launched,
         "shard_numel": co2.layout.shard_numel,
         "padded_numel": co2.layout.padded_numel,
-        "header_slots": co2.fragments[0].wire.fp32.numel() - co2.layout.shard_numel,
+        "header_slots": header_numel(co2.num_workers),
     }
 
 

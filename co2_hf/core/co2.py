@@ -1,40 +1,29 @@
-"""`CO2`: the engine's round schedule and the sequences of phases it runs (``docs/algorithm.md``).
+"""`CO2`: the engine. It runs the plan's schedule on its fragments (``docs/algorithm.md``).
 
-The phases are methods of `Phases` (``phases.py``), which owns the outer state; each does one
-thing, on the flat state chunk by chunk. In the order of the overlapped boundary:
+`Plan` (``schedule.py``) is the run's settings resolved once: F fragments, the window k, the start
+rule and penalty that apply, whether updates are stale. After each inner step ``step()`` asks the
+plan what is due and tells each fragment (``fragment.py``) what to do, through its public verbs:
 
-1. ``_receive``   -- wait for the all-reduce in flight; the buffer then holds the mean ``D``;
-2. ``_direction`` -- penalty ``P``, ``m <- beta*m + P*D``, clip ``m``, step ``v`` (if a ``D`` came);
-3. ``_exchange``  -- ``d = start - x``; ``a <- a - alpha*v`` (if a ``D`` came); buffer <- ``d``;
-4. ``_launch``    -- write the header, start the all-reduce of this round's ``d`` (never of live
-   parameters; a non-finite worker sends zeros with weight 0 and restarts);
-5. ``_reset``     -- ``x <- start`` (``a - o``, ``o`` from the start rule), in place;
+- ``boundary()``: the fragment's round ends (the overlapped sequence: receive the average in
+  flight, turn it into a step, measure and launch this round's outer gradient, reset; or the
+  synchronous one without overlap);
+- ``apply_in_round()``: ``k`` steps after a launch, apply that average mid-round (a window, or
+  streaming fragments: ``k = tau / F``);
+- ``restart()``: a worker found non-finite in one fragment restarts the others' rounds too;
+- ``finish()``: ``finalize()``'s part, after a partial round's boundary: wait, apply, reset onto
+  the anchor; ``drain()``: complete the all-reduce in flight before a checkpoint.
 
-and two more for the other sequences:
-
-6. ``_apply``     -- ``a <- a - alpha*v`` alone, where no ``d`` is measured in the same pass;
-7. ``_shift``     -- ``x <- x + (a_new - start)``, keeping the steps taken since the round started.
-
-After each inner step `RoundSchedule` (``schedule.py``) says what is due, on which fragment; `step()`
-runs it. ``co2_fragments = F`` splits the flat state into F slices, each with its own `Phases`
-(its own buffer, start rule and counters, on views of the engine's anchor and momentum) and its
-own round, offset by ``tau / F`` steps; with one fragment it is the whole state.
-
-- overlapped boundary (``co2_overlap``): receive, direction (penalised), exchange, launch, reset;
-- synchronous boundary: exchange, launch, receive, direction, apply, reset;
-- in-round apply, ``k`` steps after a launch (``co2_overlap_steps = k``, or ``tau / F`` with fragments):
-  receive, direction, apply, shift;
-- ``finalize()``: a partial round's boundary, then drain, direction, apply, reset onto the anchor.
-
-The start rule and the penalty are objects from ``rules.py``; the buffer's regions are named views
-of `WireBuffer` (``wire.py``); reading and writing live tensors is `LiveTensors` (``live.py``).
-One fp32 communication buffer carries ``D`` in and ``d`` out; scratch memory is one chunk.
+``co2_fragments = F`` splits the flat state into F slices, each a `Fragment` (its own start rule,
+counters and quantizer, on views of the engine's anchor and momentum) with its own round, offset
+by ``tau / F`` steps; with one fragment it is the whole state. The fragments' communication
+buffers come from one `WirePool` (``wire.py``): a buffer is held only from a boundary until its
+average is applied, so streaming fragments share one. Reading and writing the live tensors is
+`LiveTensors` (``live.py``); scratch memory is one chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -43,21 +32,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 
 from ..config import CO2Config
 from .comm import Communicator, make_communicator
+from .fragment import Fragment
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
 from .live import LiveTensors, has_dtensors, pin_state, reshard_fsdp, state_device
-from .phases import Phases
-from .rules import NoPenalty, warn_about_start_rule
-from .schedule import Event, RoundSchedule
-from .state import STATE_FORMAT, FragmentProgress, Progress, check_compatible, from_dict, to_dict, upgrade
+from .rules import warn_about_start_rule
+from .schedule import Event, Plan, fit_default_fragments
+from .state import STATE_FORMAT, Progress, check_compatible, from_dict, to_dict, upgrade
+from .wire import WirePool
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_CHECK_BOUNDARY = 3  # co2_timeout_s is compared with the round timed between boundaries 2 and 3
-FRESH = NoPenalty()  # an update whose base is still the anchor is not stale: P = 1
 # How pop_metrics combines a round's per-fragment means into one figure per metric (default: sum:
 # seconds add up over a round's fragments)
 ROOT_SUM_SQUARE = ("outer_grad_norm", "momentum_norm")  # norms of the whole outer vectors
@@ -100,8 +88,9 @@ class CO2:
             worker_size=cfg.co2_worker_size,
             sharded_params=has_dtensors(model),
         )
-        self.comm = comm
-        self.config = cfg = _fit_default_fragments(cfg, model, comm.worker_size)
+        self._comm = comm  # fixed at construction, shared by every fragment
+        self.config = cfg = fit_default_fragments(cfg, FlatLayout.shard_numel_of(model, comm.worker_size))
+        self.plan = Plan.resolve(cfg)
         self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
         self.device, pinned = device, pin_state(model, device)
         self.live = LiveTensors(self.layout, comm, device, pin_memory=pinned)
@@ -109,30 +98,34 @@ class CO2:
         zeros = dict(dtype=torch.float32, device=device, pin_memory=pinned)
         self._anchor = torch.zeros(n, **zeros)
         self._momentum = torch.zeros(n, **zeros)
-        self.fragments = self._make_fragments(optimizer, pinned)
-        warn_about_start_rule(cfg)
+        self.fragments = self._make_fragments(optimizer, pinned, zeros)
+        warn_about_start_rule(self.plan)
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
         self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
         self._round_started: float | None = None
-        self.schedule = RoundSchedule(cfg.co2_local_steps, cfg.window_steps, cfg.fragments)
-        self._events = {Event.APPLY_IN_ROUND: self._apply_in_round, Event.BOUNDARY: self._boundary}
-        self._boundary_phases = self._overlapped_boundary if cfg.co2_overlap else self._synchronous_boundary
         self._take_anchor()
 
-    def _make_fragments(self, optimizer: torch.optim.Optimizer | None, pinned: bool) -> list[Phases]:
-        """One `Phases` per fragment, on its slice of the anchor and the momentum (one in all, the
-        whole shard, without fragments)."""
-        edges, parts = self.layout.fragment_edges, []
+    def _make_fragments(self, optimizer: torch.optim.Optimizer | None, pinned: bool, zeros: dict) -> list[Fragment]:
+        """One `Fragment` per fragment, on its slice of the anchor and the momentum (one in all, the
+        whole shard, without fragments), and the pool their buffers come from: sized for the largest
+        fragment, one buffer in use at a time (``wire.py``)."""
+        edges = self.layout.fragment_edges
         layouts = [self.layout.fragment(f) for f in range(len(edges) - 1)]
-        for f, scale in enumerate(_clip_scales(layouts, self.comm, self.config, self.device)):
+        wire_dtype = torch.bfloat16 if self.config.co2_comm_dtype == "bfloat16" else torch.float32
+        largest = max(hi - lo for lo, hi in zip(edges[:-1], edges[1:]))
+        self._pool = WirePool(largest, self.num_workers, wire_dtype=wire_dtype, **zeros)
+        parts = []
+        for f, scale in enumerate(_clip_scales(layouts, self._comm, self.config, self.device)):
             lo, hi = edges[f], edges[f + 1]
             parts.append(
-                Phases(
+                Fragment(
                     self.config,
-                    comm=self.comm,
+                    self.plan,
+                    comm=self._comm,
                     layout=layouts[f],
                     anchor=self._anchor[lo:hi],
                     momentum=self._momentum[lo:hi],
+                    pool=self._pool,
                     num_workers=self.num_workers,
                     optimizer=optimizer,
                     pin_memory=pinned,
@@ -141,6 +134,12 @@ class CO2:
                 )
             )
         return parts
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator every fragment uses, fixed at construction (inject another through
+        ``communicator=``)."""
+        return self._comm
 
     # ------------------------------------------------------------------ public API
 
@@ -156,26 +155,26 @@ class CO2:
                 p.warmup_done = True
             return False
         p.round_step += 1
-        due = self.schedule.due(p.round_step)
-        for event, fragment in due:
-            self._events[event](self.fragments[fragment])
+        due = self.plan.due(p.round_step)
+        for event, f in due:
+            if event is Event.BOUNDARY:
+                self._boundary(self.fragments[f])
+            else:
+                self.fragments[f].apply_in_round()
         if p.round_step >= self.config.co2_local_steps:
             self._end_round()
         return any(event is Event.BOUNDARY for event, _ in due)
 
-    # ------------------------------------------------------------------ the sequences (phases.py)
+    # ------------------------------------------------------------------ what the plan runs (fragment.py)
 
     @torch.no_grad()
-    def _boundary(self, part: Phases) -> None:
+    def _boundary(self, part: Fragment) -> None:
         """One fragment's boundary. A worker found non-finite restarts its other fragments' rounds
         too: their steps since then ran on the same faulty values (a NaN reaches every parameter)."""
-        with record_function("co2/boundary"):
-            finite = self._boundary_phases(part)
-            part.progress.round += 1
-            if not finite:
-                for other in self.fragments:
-                    if other is not part:
-                        other._restart()
+        if not part.boundary():
+            for other in self.fragments:
+                if other is not part:
+                    other.restart()
 
     def _end_round(self) -> None:
         """After step tau: the round counter moves on; the third round's timing checks the timeout."""
@@ -186,37 +185,6 @@ class CO2:
         if self._boundaries_run == TIMEOUT_CHECK_BOUNDARY:
             _check_timeout(self.config.co2_timeout_s, compute_s, self.last_comm_s)
         self._round_started = time.perf_counter()
-
-    @staticmethod
-    def _overlapped_boundary(part: Phases) -> bool:
-        part._receive()  # D_{t-1}: none at round 0
-        part._direction(part.penalty)  # its base a_{t-1} is one anchor move old: stale
-        finite = part._exchange()  # applies D_{t-1} while writing d_t
-        part._launch(finite)
-        part._reset()
-        return finite
-
-    @staticmethod
-    def _synchronous_boundary(part: Phases) -> bool:
-        finite = part._exchange()  # nothing to apply yet: writes d_t
-        part._launch(finite)
-        part._receive()  # D_t, right away
-        part._direction(FRESH)
-        part._apply()
-        part._reset()
-        return finite
-
-    @torch.no_grad()
-    def _apply_in_round(self, part: Phases) -> None:
-        """Partial overlap (``co2_overlap_steps = k``) or fragments: k steps after its launch, apply
-        a fragment's average. Its base is still the anchor, so nothing is stale (P = 1)."""
-        if part._pending is None and not part.progress.have_d:
-            return  # its first round has not ended yet
-        with record_function("co2/apply_in_round"):
-            part._receive()
-            part._direction(FRESH)
-            part._apply()
-            part._shift()
 
     # ------------------------------------------------------------------ counters and the rest of the API
 
@@ -235,7 +203,7 @@ class CO2:
     def last_wait_s(self) -> float:
         """Seconds this rank was blocked waiting at the last boundary (exposed communication);
         with fragments, the last wait of each fragment, summed: the exposed wait of a round."""
-        return sum(part._last_wait_s for part in self.fragments)
+        return sum(part.last_wait_s for part in self.fragments)
 
     @property
     def last_comm_s(self) -> float:
@@ -281,17 +249,13 @@ class CO2:
         if not p.warmup_done:
             self._take_anchor()
             p.warmup_done = True
+        # fragment by fragment, so that streaming fragments keep sharing one buffer (at most two: the
+        # one in flight and the one finishing); each touches its own slice of the outer state only
         for f, part in enumerate(self.fragments):
-            if self.schedule.steps_since_boundary(f, p.round, p.round_step) > 0:
+            if self.plan.steps_since_boundary(f, p.round, p.round_step) > 0:
                 self._boundary(part)
-        # with a window (or fragments) nothing moved the anchor since the base of this D
-        stale = self.config.window_steps is None
-        for part in self.fragments:
-            part._drain()
-            part._direction(part.penalty if stale else FRESH)
-            part._apply()
-            part.start.clear_()
-            part._anchor_news = False
+            part.finish()
+        self._pool.trim()
         self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])  # floats too
         p.round = p.round_step = 0
 
@@ -356,8 +320,8 @@ class CO2:
     def outer_state_nbytes(self) -> int:
         """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
         tensors = (self._anchor, self._momentum)
-        parts = sum(part.wire.nbytes() + part.start.nbytes() + _nbytes(part.codec) for part in self.fragments)
-        return sum(t.numel() * t.element_size() for t in tensors) + parts
+        parts = sum(part.nbytes() for part in self.fragments)
+        return sum(t.numel() * t.element_size() for t in tensors) + parts + self._pool.nbytes()
 
     def pop_metrics(self) -> dict[str, float]:
         """Each per-round metric over the rounds since the last call, plus the running counters.
@@ -390,16 +354,7 @@ class CO2:
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state, without any collective (``core/state.py``). Tensors are references
         (as with ``optimizer.state_dict()``): save or clone them before training continues."""
-        self._drain()
-        fragments = [
-            {
-                "buffer": part.wire.fp32,  # with a received D in it when "have_d" is set
-                "own_outer_grad": part.start.offset,  # None under the anchor start rule
-                "counters": to_dict(part.progress),
-                "residuals": None if part.codec is None else part.codec.state(),  # int8/int4 wires
-            }
-            for part in self.fragments
-        ]
+        fragments = [part.state_dict() for part in self.fragments]  # each waits for its all-reduce first
         return {
             "format": STATE_FORMAT,
             **self._identity(),
@@ -418,21 +373,17 @@ class CO2:
         self._anchor.copy_(saved["anchor"])
         self._momentum.copy_(saved["momentum"])
         for part, kept in zip(self.fragments, saved["fragments"], strict=True):
-            part.wire.fp32.copy_(kept["buffer"])
-            part.start.load_(kept["own_outer_grad"])
-            part.progress = from_dict(FragmentProgress, kept["counters"])
-            if part.codec is not None:
-                part.codec.load_(kept["residuals"])
+            part.load_state_dict(kept)
         self.progress = from_dict(Progress, saved["counters"])
 
     @property
     def _pending(self):
         """The all-reduce in flight, if any (one fragment's at most)."""
-        return next((part._pending for part in self.fragments if part._pending is not None), None)
+        return next((part.pending for part in self.fragments if part.in_flight), None)
 
     def _drain(self) -> None:
         for part in self.fragments:
-            part._drain()
+            part.drain()
 
     @torch.no_grad()
     def _take_anchor(self) -> None:
@@ -449,28 +400,6 @@ class CO2:
             "num_workers": self.num_workers,
             "worker_index": self.comm.worker_index,
         }
-
-
-def _fit_default_fragments(cfg: CO2Config, model: nn.Module, worker_size: int) -> CO2Config:
-    """``co2_fragments`` unset means one fragment per inner step; a model with fewer elements per
-    process than that gets the most fragments it can hold (a divisor of tau), with a WARNING. A value
-    the user set is never changed: `FlatLayout` refuses it if it does not fit."""
-    if cfg.co2_fragments is not None or cfg.fragments == 1:
-        return cfg
-    available = FlatLayout.shard_numel_of(model, worker_size)
-    if cfg.fragments <= available:
-        return cfg
-    tau = cfg.co2_local_steps
-    fitted = max(d for d in range(1, tau + 1) if tau % d == 0 and d <= max(available, 1))
-    logger.warning(
-        "CO2: co2_fragments is not set, and its default (one fragment per inner step: co2_local_steps=%d) "
-        "is more than the %d element(s) of outer state each process holds; using co2_fragments=%d, the most "
-        "that fit and divide co2_local_steps. Set co2_fragments to choose.",
-        cfg.co2_local_steps,
-        available,
-        fitted,
-    )
-    return dataclasses.replace(cfg, co2_fragments=fitted)
 
 
 def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int):
@@ -501,10 +430,6 @@ def _clip_scales(layouts: list[FlatLayout], comm: Communicator, cfg: CO2Config, 
     local = [float(part.param_local) for part in layouts]
     counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
     return [math.sqrt(float(c) / max(layouts[0].total_param_numel, 1)) for c in counts]
-
-
-def _nbytes(codec: Any) -> int:
-    return 0 if codec is None else codec.nbytes()
 
 
 def _combine(name: str, values: list[float], scale: float) -> float:

@@ -56,8 +56,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from . import update
 from .state import RESUMABLE_CHANGES, STATE_FORMAT, check_same_config, upgrade
-from .wire import ROUND_BITS
+from .wire import header_numel
 
 # Settings that may differ between the checkpoint and a resume on another number of workers
 ELASTIC_CHANGES = RESUMABLE_CHANGES + ("co2_worker_size",)
@@ -72,8 +73,15 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
     """The carried outer tensors of one saved rank, each over its own shard: the fragments' payloads
     end to end, and ``received``: 1 where that fragment's buffer holds a received ``D``."""
     saved = upgrade(saved)
-    header = 1 + ROUND_BITS + saved["num_workers"]  # wire.py's: weight, round bits, one wait per worker
-    payloads = [fragment["buffer"][: fragment["buffer"].numel() - header] for fragment in saved["fragments"]]
+    header = header_numel(saved["num_workers"])
+    n, count = saved["anchor"].numel(), len(saved["fragments"])
+    payloads = [
+        # a fragment with nothing received saves no buffer (its values would not be read)
+        torch.zeros(hi - lo)
+        if fragment["buffer"] is None
+        else fragment["buffer"][: fragment["buffer"].numel() - header]
+        for fragment, lo, hi in zip(saved["fragments"], *_edges(n, count))
+    ]
     received = [
         torch.full_like(d, float(fragment["counters"]["have_d"])) for d, fragment in zip(payloads, saved["fragments"])
     ]
@@ -83,6 +91,12 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
         "payload": torch.cat(payloads),
         "received": torch.cat(received),
     }
+
+
+def _edges(numel: int, fragments: int) -> tuple[list[int], list[int]]:
+    """Where each of ``fragments`` fragments of a shard of ``numel`` starts and stops (layout.py's cut)."""
+    cuts = [f * numel // fragments for f in range(fragments + 1)]
+    return cuts[:-1], cuts[1:]
 
 
 def _counters(saved: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +117,9 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
     one = len(fresh["fragments"]) == 1
     fragments = []
     for fragment in fresh["fragments"]:
-        buffer = torch.zeros_like(fragment["buffer"])  # the header is rewritten at the next launch
+        buffer = None  # several fragments: nothing is received, so no buffer is needed
         if one:
+            buffer = torch.zeros_like(fragment["buffer"])  # the header is rewritten at the next launch
             buffer[: tensors["payload"].numel()] = tensors["payload"]
             kept = dict(counters["fragments"][0])
         else:
@@ -134,13 +149,8 @@ def _apply_received(tensors: dict[str, Tensor], engine: Any) -> None:
     cfg, n = engine.config, engine.layout.param_local
     d, where = tensors["payload"], tensors["received"] > 0.5
     anchor, momentum = tensors["anchor"].clone(), tensors["momentum"].clone()
-    momentum[:n].mul_(cfg.co2_outer_momentum).add_(d[:n])
-    step = momentum[:n]
-    if cfg.co2_nesterov:
-        step = d[:n].clone()
-        step.add_(momentum[:n], alpha=cfg.co2_outer_momentum)
-    anchor[:n].sub_(step, alpha=cfg.co2_outer_lr)
-    anchor[n:] = d[n:]
+    step = update.outer_step_(momentum[:n], d[:n].clone(), cfg.co2_outer_momentum, cfg.co2_nesterov)
+    update.move_anchor_(anchor, step, d, n, cfg.co2_outer_lr)
     tensors["momentum"] = torch.where(where, momentum, tensors["momentum"])
     tensors["anchor"] = torch.where(where, anchor, tensors["anchor"])
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..config import CO2Config
 from . import update
 from .layout import FlatLayout
+from .schedule import Plan
 
 # The engine warns under one logger name, whichever module of core/ notices: users filter on it.
 logger = logging.getLogger("co2_hf.core.co2")
@@ -109,22 +110,20 @@ class LookaheadStart(_OffsetStart):
     ``m`` the momentum just updated (the coming penalty and clipping are not predicted)."""
 
     def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
-        cfg, own = self.config, self.offset[lo:mid]
-        beta = cfg.co2_outer_momentum
-        torch.add(d, self.momentum[lo:mid], alpha=beta, out=own)  # m'
-        if cfg.co2_nesterov:
-            own.mul_(beta).add_(d)
-        own.mul_(cfg.co2_outer_lr)
+        cfg = self.config
+        update.lookahead_offset_(
+            self.offset[lo:mid], d, self.momentum[lo:mid], cfg.co2_outer_momentum, cfg.co2_nesterov, cfg.co2_outer_lr
+        )
 
 
 START_RULES = {"anchor": AnchorStart, "eager": EagerStart, "lookahead": LookaheadStart}
 
 
-def warn_about_start_rule(config: CO2Config) -> None:
+def warn_about_start_rule(plan: Plan) -> None:
     """Once per engine: the anchor start with an in-round apply counts steps twice."""
-    k = config.window_steps
-    if k is not None and config.co2_overlap and config.co2_start_rule == "anchor":
-        knob = f"co2_fragments={config.fragments}" if config.fragments > 1 else f"co2_overlap_steps={k}"
+    k = plan.window_steps
+    if k is not None and plan.overlapped and plan.start_rule == "anchor":
+        knob = f"co2_fragments={plan.fragments}" if plan.fragments > 1 else f"co2_overlap_steps={k}"
         logger.warning(
             "CO2: %s with co2_start_rule='anchor' makes every worker redo the first %d steps of its "
             "last round and count them twice (docs/algorithm.md, 7a); co2_start_rule='eager' avoids it",
@@ -133,14 +132,12 @@ def warn_about_start_rule(config: CO2Config) -> None:
         )
 
 
-def make_start_rule(config: CO2Config, momentum: Tensor, numel: int, **zeros) -> AnchorStart:
-    """The start rule for this run; without overlap every round starts at the anchor."""
-    name = config.co2_start_rule if config.co2_overlap else "anchor"
-    return START_RULES[name](config, momentum, numel, **zeros)
+def make_start_rule(plan: Plan, config: CO2Config, momentum: Tensor, numel: int, **zeros) -> AnchorStart:
+    """The start rule the plan resolved (without overlap: ``anchor``)."""
+    return START_RULES[plan.start_rule](config, momentum, numel, **zeros)
 
 
 # ------------------------------------------------------------------------------------ penalties
-
 
 
 class NoPenalty:
@@ -203,13 +200,12 @@ class GapAwarePenalty(NoPenalty):
 PENALTIES = {"gap_aware": GapAwarePenalty, "constant": ConstantPenalty}
 
 
-def make_penalty(config: CO2Config, layout: FlatLayout, device: torch.device) -> NoPenalty:
-    """The penalty for stale updates in this run (``co2_gap_penalty = 0``: none). A fragment's
-    average is applied before anything else moves its slice of the anchor: never stale, so
-    fragments (``co2_fragments > 1``) have no penalty."""
-    if config.co2_gap_penalty <= 0 or config.fragments > 1:
+def make_penalty(plan: Plan, config: CO2Config, layout: FlatLayout, device: torch.device) -> NoPenalty:
+    """The penalty the plan resolved: a real one only where updates are stale (``plan.stale``) and
+    ``co2_gap_penalty > 0``; `NoPenalty` (P = 1) everywhere else."""
+    if plan.penalty == "none":
         return NoPenalty()
-    return PENALTIES[config.co2_gap_penalty_mode](config, layout, device)
+    return PENALTIES[plan.penalty](config, layout, device)
 
 
 def _param_pieces(layout: FlatLayout) -> list[tuple[int, int, int]]:

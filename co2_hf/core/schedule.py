@@ -1,20 +1,37 @@
-"""The round schedule: which of the engine's phase sequences run after a given inner step, on which fragment.
+"""The plan: a run's round schedule, resolved once from its settings (``docs/algorithm.md``).
 
-This is the one place that maps "inner step ``s`` of the round" to work. A round has
-``tau = co2_local_steps`` steps.
+Three knobs interact: ``co2_overlap``, ``co2_overlap_steps`` (a window ``k``) and ``co2_fragments``
+(``F``). `Plan.resolve` turns them, with the model's size, into what actually runs, and every part
+of the engine reads the plan instead of the knobs:
 
-- One fragment (the whole flat state): the boundary runs at step ``tau``; with a partial-overlap
-  window (``co2_overlap_steps = k``) the average in flight is applied ``k`` steps into the round.
-- ``co2_fragments = F > 1`` (streaming): fragment ``f`` reaches its boundary at step ``(f + 1) k``
-  of every round, ``k = tau / F``, and its average is applied ``k`` steps after its launch, when the
-  next fragment reaches its boundary. So after step ``j k`` the previous fragment's average is
-  applied, then fragment ``j - 1`` launches: one fragment's all-reduce is in flight at a time, and
-  fragment ``F - 1``'s is applied at step ``k`` of the next round.
+- ``fragments``: F. Unset, F = tau (one fragment reaches its boundary after every inner step), or
+  the most that fit a model with fewer elements per process than that (a WARNING), or 1 where a
+  window or ``co2_overlap=False`` is set;
+- ``window_steps``: k, the inner steps from a fragment's launch to the in-round apply of its
+  average: ``co2_overlap_steps``, or tau / F with fragments; None: applied at its next boundary;
+- ``start_rule``: ``co2_start_rule`` with overlap; ``anchor`` without (no average is in flight
+  when a round starts, so there is nothing to start ahead of);
+- ``stale``: whether an average is applied after the anchor already moved once since its base
+  (full overlap, one fragment, no window): the only case the gap penalty acts on;
+- ``penalty``: ``co2_gap_penalty_mode`` where ``stale`` and ``co2_gap_penalty > 0``, else ``none``.
+
+After each inner step, `Plan.due` says what runs on which fragment. Fragment ``f`` reaches its
+boundary at step ``(f + 1) tau / F`` of every round; with a window its average is applied ``k``
+steps after that (mod tau), before any boundary due at the same step. With F > 1 and k = tau / F,
+the apply of fragment ``f`` meets the boundary of ``f + 1``: one fragment's all-reduce is in
+flight at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
+logger = logging.getLogger("co2_hf.core.co2")
 
 
 class Event(Enum):
@@ -22,31 +39,90 @@ class Event(Enum):
     BOUNDARY = "boundary"  # a fragment's round ends: the overlapped or synchronous boundary runs
 
 
-class RoundSchedule:
-    """``due(s)``: the (event, fragment index) pairs after inner step ``s`` (1-based) of the
-    current round, in the order they run."""
+@dataclass(frozen=True)
+class Plan:
+    """What a run's settings resolve to (see the module docstring); `describe` is what the model
+    card and ``co2_config.json`` record beside the settings."""
 
-    def __init__(self, local_steps: int, window_steps: int | None, fragments: int = 1) -> None:
-        self.local_steps, self.window_steps, self.fragments = local_steps, window_steps, fragments
+    local_steps: int
+    fragments: int
+    window_steps: int | None
+    overlapped: bool
+    start_rule: str
+    stale: bool
+    penalty: str
+
+    @classmethod
+    def resolve(cls, config: Any) -> Plan:
+        """The plan of ``config`` (a `CO2Config`, its default fragments fitted to the model first:
+        `fit_default_fragments`)."""
+        overlapped = config.co2_overlap
+        stale = overlapped and config.window_steps is None
+        penalized = stale and config.co2_gap_penalty > 0
+        return cls(
+            local_steps=config.co2_local_steps,
+            fragments=config.fragments,
+            window_steps=config.window_steps,
+            overlapped=overlapped,
+            start_rule=config.co2_start_rule if overlapped else "anchor",
+            stale=stale,
+            penalty=config.co2_gap_penalty_mode if penalized else "none",
+        )
+
+    def __post_init__(self) -> None:
+        tau, k = self.local_steps, self.window_steps
+        table: dict[int, list[tuple[Event, int]]] = {step: [] for step in range(1, tau + 1)}
+        for f in range(self.fragments):
+            at = self.boundary_step(f)
+            if k is not None:
+                table[(at + k - 1) % tau + 1].insert(0, (Event.APPLY_IN_ROUND, f))
+            table[at].append((Event.BOUNDARY, f))
+        object.__setattr__(self, "_due", {step: tuple(events) for step, events in table.items()})
+
+    def boundary_step(self, fragment: int) -> int:
+        """The inner step of every round (1-based) after which ``fragment`` reaches its boundary."""
+        return (fragment + 1) * self.local_steps // self.fragments
 
     def due(self, round_step: int) -> tuple[tuple[Event, int], ...]:
-        if self.fragments > 1:
-            k = self.window_steps
-            if round_step % k:
-                return ()
-            j = round_step // k  # 1 .. F
-            return ((Event.APPLY_IN_ROUND, (j - 2) % self.fragments), (Event.BOUNDARY, j - 1))
-        events = ()
-        if round_step == self.window_steps:
-            events += ((Event.APPLY_IN_ROUND, 0),)
-        if round_step >= self.local_steps:
-            events += ((Event.BOUNDARY, 0),)
-        return events
+        """The (event, fragment index) pairs after inner step ``round_step`` (1-based) of a round,
+        in the order they run."""
+        return self._due[round_step]
 
     def steps_since_boundary(self, fragment: int, round_index: int, round_step: int) -> int:
         """Inner steps a fragment has taken since its last boundary (or since the round counter
         started, when it has had none)."""
-        at = (fragment + 1) * self.local_steps // self.fragments  # its boundary's step in a round
+        at = self.boundary_step(fragment)
         if round_step >= at:
             return round_step - at
         return round_step + (self.local_steps - at if round_index > 0 else 0)
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved values, for the model card and ``co2_config.json``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def settings(self, config: Any) -> dict[str, Any]:
+        """``config``'s ``co2_*`` settings as they ran: ``co2_fragments`` is the F of this plan (the
+        default resolved), the rest as given."""
+        return {**config.co2_dict(), "co2_fragments": self.fragments}
+
+
+def fit_default_fragments(config: Any, shard_numel: int | None) -> Any:
+    """``co2_fragments`` unset means one fragment per inner step; a model with fewer elements per
+    process than that gets the most fragments it can hold (a divisor of tau), with a WARNING. A value
+    the user set is never changed: `FlatLayout` refuses it if it does not fit. Returns the config
+    with the fitted value set, or ``config`` itself when nothing changes."""
+    if config.co2_fragments is not None or config.fragments == 1 or shard_numel is None:
+        return config
+    if config.fragments <= shard_numel:
+        return config
+    tau = config.co2_local_steps
+    fitted = max(d for d in range(1, tau + 1) if tau % d == 0 and d <= max(shard_numel, 1))
+    logger.warning(
+        "CO2: co2_fragments is not set, and its default (one fragment per inner step: co2_local_steps=%d) "
+        "is more than the %d element(s) of outer state each process holds; using co2_fragments=%d, the most "
+        "that fit and divide co2_local_steps. Set co2_fragments to choose.",
+        tau,
+        shard_numel,
+        fitted,
+    )
+    return dataclasses.replace(config, co2_fragments=fitted)

@@ -8,6 +8,8 @@ combines them through its reduction hook and passes the global values in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -53,3 +55,37 @@ def nesterov_direction_(pd: Tensor, m: Tensor, beta: float) -> Tensor:
     """In place ``pd <- beta * m + P * D``: the Nesterov step, using the already clipped ``m``."""
     return pd.add_(m, alpha=beta)
 
+
+# ------------------------------------------------------------------ the outer step, used everywhere
+
+
+def outer_step_(
+    m: Tensor, pd: Tensor, beta: float, nesterov: bool, *, rescale: Callable[[Tensor], None] | None = None
+) -> Tensor:
+    """The outer step ``v`` of an averaged outer gradient (``pd``: ``P * D``), in place: ``m <- beta*m + P*D``,
+    then ``rescale(m)`` (the engine's clipping, which needs a reduction), then ``v = m``, or with
+    Nesterov ``pd <- beta*m + P*D`` and ``v = pd``. Returns ``v`` (a view of ``m`` or ``pd``).
+
+    The engine's boundaries and elastic re-sharding (``reshard.py``) both step through here."""
+    momentum_(m, pd, beta)
+    if rescale is not None:
+        rescale(m)
+    return nesterov_direction_(pd, m, beta) if nesterov else m
+
+
+def move_anchor_(anchor: Tensor, v: Tensor, mean: Tensor, split: int, lr: float) -> None:
+    """``a <- a - lr * v`` on the first ``split`` elements (parameters); ``a <- D`` on the rest (float
+    buffers travel as absolute values, so their new value is the received mean ``mean``)."""
+    anchor[:split].sub_(v[:split], alpha=lr)
+    anchor[split:].copy_(mean[split:])
+
+
+def lookahead_offset_(out: Tensor, d: Tensor, m: Tensor, beta: float, nesterov: bool, lr: float) -> Tensor:
+    """``out <- lr * v'``: the outer step the next boundary would take if the average in flight were
+    this worker's own ``d`` (``m' = beta*m + d``, ``v' = m'``, Nesterov ``beta*m' + d``), ``m`` left as
+    it is. A prediction: it rounds ``m'`` in one fused operation, not as `outer_step_` does (the
+    fragment digests of tests/test_fragments.py pin both), and it does not predict clipping."""
+    torch.add(d, m, alpha=beta, out=out)
+    if nesterov:
+        out.mul_(beta).add_(d)
+    return out.mul_(lr)

@@ -18,12 +18,21 @@ from torch import Tensor
 ROUND_BITS = 32  # the round index travels as bits: any disagreement gives a bit sum in (0, G)
 
 
-class WireBuffer:
-    """The fp32 communication buffer with named views: ``payload``, ``weight``, ``round_bits``, ``waits``."""
+def header_numel(num_workers: int) -> int:
+    """Values after the payload: the weight, the round bits and one wait per worker."""
+    return 1 + ROUND_BITS + num_workers
 
-    def __init__(self, payload_numel: int, num_workers: int, *, wire_dtype: torch.dtype, **zeros) -> None:
-        n = payload_numel
-        self.fp32 = torch.zeros(n + 1 + ROUND_BITS + num_workers, **zeros)
+
+class WireBuffer:
+    """The fp32 communication buffer with named views: ``payload``, ``weight``, ``round_bits``, ``waits``.
+
+    ``fp32`` is the memory it works in (``payload_numel`` plus `header_numel` values); ``wire``, when
+    given, the copy in the wire's dtype that travels (bfloat16). Both may be views of larger tensors
+    (`WirePool` hands out such views)."""
+
+    def __init__(self, fp32: Tensor, num_workers: int, *, wire: Tensor | None = None) -> None:
+        n = fp32.numel() - header_numel(num_workers)
+        self.fp32 = fp32
         self.payload = self.fp32[:n]
         self.header = self.fp32[n:]  # what a quantized wire still sums exactly, in fp32
         self.weight = self.fp32[n]  # 1 from a finite worker, 0 otherwise; summed: how many were finite
@@ -31,7 +40,13 @@ class WireBuffer:
         self.waits = self.fp32[n + 1 + ROUND_BITS :]  # worker i's last exposed wait, in slot i
         self.num_workers = num_workers
         # what the all-reduce carries: the fp32 buffer itself, or a copy in the wire's dtype
-        self.wire = self.fp32 if wire_dtype == torch.float32 else self.fp32.to(wire_dtype)
+        self.wire = self.fp32 if wire is None else wire
+
+    @classmethod
+    def zeros(cls, payload_numel: int, num_workers: int, *, wire_dtype: torch.dtype, **zeros) -> WireBuffer:
+        """A buffer of its own, zero-filled, for ``payload_numel`` values."""
+        fp32 = torch.zeros(payload_numel + header_numel(num_workers), **zeros)
+        return cls(fp32, num_workers, wire=None if wire_dtype == torch.float32 else fp32.to(wire_dtype))
 
     def nbytes(self) -> int:
         wire = self.wire.numel() * self.wire.element_size() if self.wire is not self.fp32 else 0
@@ -59,3 +74,49 @@ class WireBuffer:
                 "different rounds (every rank must call CO2.step() once per inner step)"
             )
         return float(self.weight), float(self.waits.max())
+
+
+class WirePool:
+    """The communication buffers of a run's fragments, held only while a fragment needs one.
+
+    A fragment holds a buffer from its boundary (``d`` written, launched) until its average ``D``
+    has been applied; with streaming fragments that is one fragment at a time, so one buffer of the
+    largest fragment's size serves them all and the outer state is anchor, momentum and 1/F of a
+    buffer instead of a whole one (``docs/algorithm.md``, section 10). A buffer released is kept for
+    the next fragment: nothing is freed or allocated again while training."""
+
+    def __init__(self, payload_numel: int, num_workers: int, *, wire_dtype: torch.dtype, **zeros) -> None:
+        self._numel, self._num_workers, self._wire_dtype, self._zeros = payload_numel, num_workers, wire_dtype, zeros
+        self._free: list[WireBuffer] = []
+        self._made: list[WireBuffer] = []
+        self._make()  # the one every run needs, made up front so that memory is known from the start
+
+    def _make(self) -> None:
+        whole = WireBuffer.zeros(self._numel, self._num_workers, wire_dtype=self._wire_dtype, **self._zeros)
+        self._made.append(whole)
+        self._free.append(whole)
+
+    def acquire(self, payload_numel: int) -> WireBuffer:
+        """A buffer for ``payload_numel`` values (at most the pool's size): views of a free one."""
+        if payload_numel > self._numel:
+            raise ValueError(f"CO2 internal error: a buffer of {payload_numel} values from a pool of {self._numel}")
+        if not self._free:  # finalize: a fragment finishes while another is in flight
+            self._make()
+        whole = self._free.pop()
+        stop = payload_numel + header_numel(self._num_workers)
+        wire = None if whole.wire is whole.fp32 else whole.wire[:stop]
+        part = WireBuffer(whole.fp32[:stop], self._num_workers, wire=wire)
+        part.whole = whole  # what release gives back
+        return part
+
+    def release(self, buffer: WireBuffer) -> None:
+        self._free.append(buffer.whole)
+
+    def trim(self) -> None:
+        """Keep one free buffer and drop the others (``finalize`` may have needed two at once)."""
+        extra = {id(buffer) for buffer in self._free[1:]}
+        self._free = self._free[:1]
+        self._made = [buffer for buffer in self._made if id(buffer) not in extra]
+
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes() for buffer in self._made)
