@@ -128,7 +128,10 @@ class RecordingCommunicator(Communicator):
 
 
 class DelayedCommunicator(Communicator):
-    """Wraps a communicator; each outer all-reduce completes at least ``delay_s`` after launch."""
+    """Wraps a communicator; each outer all-reduce completes at least ``delay_s`` after launch. Every
+    verb is forwarded (tests/test_engine_local.py checks that none is left out). Inject it at
+    construction, ``CO2(model, config, communicator=DelayedCommunicator(inner, delay_s))``: the engine's
+    fragments keep the communicator they were built with."""
 
     def __init__(self, inner: Communicator, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
@@ -156,6 +159,16 @@ class DelayedCommunicator(Communicator):
 
     def reduce_stats(self, partials: Tensor) -> Tensor:
         return self.inner.reduce_stats(partials)
+
+    # the verbs inside a worker (co2_worker_size > 1) are not delayed, but must reach the real group
+    def worker_ranks(self) -> list[int]:
+        return self.inner.worker_ranks()
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return self.inner.all_gather(tensor)
+
+    def worker_all_reduce_(self, tensor: Tensor) -> None:
+        self.inner.worker_all_reduce_(tensor)
 
 
 class SimulatedNetwork:

@@ -12,6 +12,7 @@ from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core.comm import Pending
+from co2_hf.core.wire import header_numel
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
@@ -211,7 +212,7 @@ def test_metrics_after_rounds():
 def test_outer_state_is_twelve_bytes_per_parameter_plus_two_for_bfloat16():
     _, _, fp32 = _engine()
     n = fp32.layout.padded_numel
-    header = fp32.fragments[0].wire.fp32.numel() - n
+    header = header_numel(fp32.num_workers)
     assert fp32.outer_state_nbytes() == 12 * n + 4 * header
     _, _, bf16 = _engine(co2_comm_dtype="bfloat16")
     assert bf16.outer_state_nbytes() == 12 * n + 4 * header + 2 * (n + header)
@@ -301,3 +302,48 @@ def test_state_dict_inside_the_overlap_window_resumes_bit_for_bit(window):
     _train(model, co2, optimizer, 7, start=5)
     for name, value in uninterrupted.items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_the_communicator_is_fixed_at_construction_and_a_wrapper_forwards_every_verb():
+    from co2_hf.core.comm import Communicator
+    from co2_hf.testing import DelayedCommunicator
+
+    _, _, co2 = _engine()
+    with pytest.raises(AttributeError):
+        co2.comm = FakeCommunicator()  # fragments keep theirs: inject through communicator= instead
+    verbs = [name for name, value in vars(Communicator).items() if callable(value) and not name.startswith("_")]
+    assert len(verbs) == 9
+    missing = [name for name in verbs if getattr(DelayedCommunicator, name) is getattr(Communicator, name)]
+    assert missing == []
+    delayed = DelayedCommunicator(FakeCommunicator(), delay_s=0.05)
+    model, optimizer, co2 = _engine(comm=delayed, co2_local_steps=1, co2_overlap=False)
+    _train(model, co2, optimizer, 2)
+    assert co2.last_comm_s >= 0.05 - 1e-9  # the fragments' all-reduces went through the delay
+
+
+def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_path):
+    import json
+
+    from co2_hf.integrations import checkpoint, model_card
+
+    plan = CO2(TinyNet(seed=0), CO2Config()).plan
+    assert plan.describe() == {
+        "local_steps": 12,
+        "fragments": 12,
+        "window_steps": 1,
+        "overlapped": True,
+        "start_rule": "lookahead",
+        "stale": False,
+        "penalty": "none",
+    }
+    sync = CO2(TinyNet(seed=0), CO2Config(co2_overlap=False, co2_gap_penalty=1.0)).plan
+    assert (sync.fragments, sync.start_rule, sync.stale, sync.penalty) == (1, "anchor", False, "none")
+    full = CO2(TinyNet(seed=0), CO2Config(co2_fragments=1, co2_gap_penalty=1.0)).plan
+    assert (full.window_steps, full.stale, full.penalty) == (None, True, "gap_aware")
+    checkpoint.write_co2_config(str(tmp_path), CO2Config(), world_size=2, plan=plan)
+    saved = json.loads((tmp_path / "co2_config.json").read_text())
+    assert saved["co2_fragments"] == 12 and saved["co2_plan"]["fragments"] == 12 and saved["num_workers"] == 2
+    (tmp_path / "README.md").write_text("# model\n")
+    model_card.add_co2_section(str(tmp_path / "README.md"), CO2Config(), world_size=2)  # no engine: resolved
+    card = (tmp_path / "README.md").read_text()
+    assert "| `co2_fragments` | `12` |" in card and "| resolved: `start_rule` | `lookahead` |" in card

@@ -187,8 +187,9 @@ class CO2Accelerate:
             model_card.write_card(card, **about)
             if self.co2 is not None:
                 world = accelerator.num_processes
-                checkpoint.write_co2_config(output_dir, self.config, world_size=world)
-                model_card.add_co2_section(card, self.config, world_size=world)
+                ran = dict(world_size=world, plan=self.co2.plan)
+                checkpoint.write_co2_config(output_dir, self.co2.config, **ran)
+                model_card.add_co2_section(card, self.co2.config, **ran)
         accelerator.wait_for_everyone()
 
     def save_state(self, output_dir: str, **kwargs: Any) -> None:

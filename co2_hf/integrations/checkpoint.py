@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import CO2Config
 from ..core import CO2, reshard
+from ..core.schedule import Plan
 from . import publish
 from .publish import MANIFEST_FILE, STAGING_DIR, agree  # noqa: F401 - part of this module's interface
 
@@ -216,8 +217,11 @@ def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
     return state
 
 
-def write_co2_config(directory: str, config: CO2Config, *, world_size: int) -> None:
-    payload = {**config.co2_dict(), "world_size": world_size}
+def write_co2_config(directory: str, config: CO2Config, *, world_size: int, plan: Plan | None = None) -> None:
+    """``co2_config.json``: the settings as they ran (``plan``: the engine's; None: resolved from
+    ``config``), the world, and the resolved plan under ``co2_plan``."""
+    plan = plan if plan is not None else Plan.resolve(config)
+    payload = {**plan.settings(config), "world_size": world_size, "co2_plan": plan.describe()}
     payload["num_workers"] = world_size // config.co2_worker_size
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True)

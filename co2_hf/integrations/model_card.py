@@ -8,6 +8,7 @@ import os
 import re
 
 from ..config import CO2Config
+from ..core.schedule import Plan
 
 ARXIV_ID = "2401.16265"
 TAGS = ["co2", f"arxiv:{ARXIV_ID}", "distributed-training"]
@@ -90,16 +91,20 @@ def _task_of(config_path: str) -> str | None:
     return None
 
 
-def add_co2_section(card_path: str, config: CO2Config, *, world_size: int) -> None:
-    """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``."""
+def add_co2_section(card_path: str, config: CO2Config, *, world_size: int, plan: Plan | None = None) -> None:
+    """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``: the
+    settings as they ran (``plan``: the engine's; None: resolved from ``config``) and the plan."""
+    plan = plan if plan is not None else Plan.resolve(config)
     complete_card(card_path)
     card = _load(card_path)
     tags = list(card.data.tags or [])
     card.data.tags = tags + [t for t in TAGS if t not in tags]
-    settings = config.co2_dict()
-    card.data.co2 = {**settings, "world_size": world_size, "num_workers": world_size // config.co2_worker_size}
+    settings = plan.settings(config)
+    workers = world_size // config.co2_worker_size
+    card.data.co2 = {**settings, "world_size": world_size, "num_workers": workers, "co2_plan": plan.describe()}
     if "## Trained with CO2" not in card.text:
         rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in settings.items())
+        rows += "\n" + "\n".join(f"| resolved: `{k}` | `{v}` |" for k, v in plan.describe().items())
         card.text = card.text.rstrip() + (
             "\n\n## Trained with CO2\n\n"
             f"This model was trained with [co2_hf](https://arxiv.org/abs/{ARXIV_ID}) on {world_size} "

@@ -316,7 +316,7 @@ class CO2Trainer(Trainer):
         super()._save(output_dir, state_dict=state_dict)
         if self.co2_config is not None and self.args.should_save:
             directory = output_dir if output_dir is not None else self.args.output_dir
-            checkpoint.write_co2_config(directory, self.co2_config, world_size=self.args.world_size)
+            checkpoint.write_co2_config(directory, **self._ran_with(), world_size=self.args.world_size)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
@@ -499,14 +499,20 @@ class CO2Trainer(Trainer):
         super().create_model_card(*args, tags=tags, **kwargs)
         if self.co2_config is not None and self.is_world_process_zero():
             card = os.path.join(self.args.output_dir, "README.md")
-            model_card.add_co2_section(card, self.co2_config, world_size=self.args.world_size)
+            model_card.add_co2_section(card, **self._ran_with(), world_size=self.args.world_size)
+
+    def _ran_with(self) -> dict:
+        """The settings and plan the engine ran with (before training: as they resolve from the arguments)."""
+        if self.co2 is None:
+            return {"config": self.co2_config, "plan": None}
+        return {"config": self.co2.config, "plan": self.co2.plan}
 
     def _write_model_card(self, directory: str) -> None:
         if os.path.abspath(directory) == os.path.abspath(self.args.output_dir):
             self.create_model_card()
         else:
             card = os.path.join(directory, "README.md")
-            model_card.add_co2_section(card, self.co2_config, world_size=self.args.world_size)
+            model_card.add_co2_section(card, **self._ran_with(), world_size=self.args.world_size)
 
 
 def _saved_step(directory: str) -> int | None:
