@@ -57,7 +57,7 @@ import torch
 
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint, model_card, publish
+from . import checkpoint, launch, model_card, publish
 
 logger = logging.getLogger(__name__)
 
@@ -344,10 +344,8 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
 
 
 def _check_replicas(accelerator: Any) -> None:
-    expected = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes != expected:
-        raise RuntimeError(
-            f"WORLD_SIZE={expected} but the Accelerator sees {accelerator.num_processes} process(es): "
-            "every process would train alone. On a machine without GPUs create it as "
-            "Accelerator(cpu=True)."
-        )
+    launch.check_processes(
+        accelerator.num_processes,
+        who="the Accelerator sees",
+        fix="every process would train alone. On a machine without GPUs create it as Accelerator(cpu=True).",
+    )

@@ -42,6 +42,7 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.training_args import _convert_str_dict  # how TrainingArguments reads JSON flags
 
 from ..config import CO2Config
+from . import launch
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         self.validate_co2()
         _use_cpu_without_accelerator(self)
         if self.co2_enabled:
-            workers = self.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+            workers = self.check_world(launch.launched_world_size())
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
             dispatch = _dispatch_batches_given(self)
@@ -180,7 +181,7 @@ def _ddp_timeout_given(args: CO2TrainingArguments) -> bool:
 def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
     """Launched as several processes on a machine without GPUs, TrainingArguments would otherwise
     set up one independent process each (world size 1): every replica would train alone."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched = launch.launched_world_size() > 1
     if launched and not args.use_cpu and not torch.accelerator.is_available():
         logger.warning(
             "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "

@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -294,3 +295,46 @@ def check_complete(
     for r in reads:  # here, so that a hostile file is refused on every rank before anything loads
         load_rank_file(directory, r, mmap=True)
     return manifest
+
+
+def warn_world_changed(
+    directory: str, *, co2: CO2, world_size: int, samples_per_step: int, step: int, log: Callable[..., None]
+) -> None:
+    """Say once (``log``: WARNING on rank 0, INFO elsewhere) what a resume on another world carried and
+    what it reset, and where the data resumes: the Trainer fast-forwards by steps, not by samples
+    (``samples_per_step``: one process's samples per optimizer step)."""
+    old_world, old_k = saved_world(directory)
+    world, k = world_size, co2.config.co2_worker_size
+    was, now = step * samples_per_step * old_world, step * samples_per_step * world
+    data = (
+        f"samples {now} to {was - 1} of the epoch's order are seen a second time"
+        if now < was
+        else f"samples {was} to {now - 1} of the epoch's order are skipped"
+        if now > was
+        else "no sample is seen twice or skipped"
+    )
+    log(
+        "CO2: resuming %s, saved by %d processes (%d workers of %d), on %d processes (%d workers of %d). "
+        "Carried over exactly, re-sharded: the anchor, the outer momentum, the outer average received "
+        "before the save (applied now, as the next boundary would have), the counters (step %d, round %d, "
+        "%d steps into it) and the learning-rate schedule; new worker w takes old worker w mod %d's inner "
+        "optimizer state and AMP scaler. Reset: every worker's local parameters restart from the anchor "
+        "(the steps each took since its round started are lost), and the start offsets. The data resumes "
+        "by steps: the saved run had read %d samples and this one skips %d, so %s (in the first epoch; "
+        "later the epochs shift too). Ranks >= %d find no RNG state of their own.",
+        directory,
+        old_world,
+        old_world // old_k,
+        old_k,
+        world,
+        world // k,
+        k,
+        step,
+        co2.round,
+        co2.round_step,
+        old_world // old_k,
+        was,
+        now,
+        data,
+        old_world,
+    )

@@ -55,7 +55,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint, model_card, publish
+from . import checkpoint, launch, model_card, publish
 from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
@@ -76,12 +76,11 @@ class CO2Trainer(Trainer):
                 "CO2Trainer needs CO2TrainingArguments (or any args with the co2_* fields; beside TRL, a "
                 "dataclass deriving from both CO2TrainingArguments and the TRL config, e.g. SFTConfig)"
             )
-        expected = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.args.world_size != expected:
-            raise RuntimeError(
-                f"WORLD_SIZE={expected} but the Trainer set up {self.args.world_size} process(es): "
-                "each would train alone. Pass --use_cpu on a machine without GPUs."
-            )
+        launch.check_processes(
+            self.args.world_size,
+            who="the Trainer set up",
+            fix="each would train alone. Pass --use_cpu on a machine without GPUs.",
+        )
         self.co2_config = CO2Config.from_object(self.args) if self.args.co2_enabled else None
         self.co2: CO2 | None = None
         self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
@@ -230,6 +229,8 @@ class CO2Trainer(Trainer):
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step (loss, backward, its scaling and accumulation untouched), then the gradient
+        average CO2 needs before the optimizer step; in-step metric gathers stay local."""
         if self.co2 is None:
             return super().training_step(model, inputs, num_items_in_batch)
         with self._local_metric_gathers():
@@ -272,6 +273,8 @@ class CO2Trainer(Trainer):
                 accelerator.gather_for_metrics = own
 
     def _finalize_training(self, trial, num_train_samples, start_time):
+        """The Trainer's end of training (metrics, state, ``load_best_model_at_end`` after it), with every
+        worker's last steps in the anchor first: the model it ends with is the one all workers share."""
         if self.co2 is not None:
             self.co2.finalize()  # every worker's last steps reach the anchor; live model == anchor
         return super()._finalize_training(trial, num_train_samples, start_time)
@@ -285,6 +288,8 @@ class CO2Trainer(Trainer):
             self.co2.adopt_model()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's ``log``, with the ``co2/*`` metrics added at each logging step (training logs
+        only): every callback and ``--report_to`` integration gets them as it gets the loss."""
         # co2/comm_wait_s is the max over ranks; the norms, clip ratio and penalty are global (equal
         # on every rank); co2/comm_s and co2/amp_skipped_steps are rank 0's, which is what is logged
         if self.co2 is not None and "loss" in logs:
@@ -309,6 +314,8 @@ class CO2Trainer(Trainer):
     # ------------------------------------------------------------------ saving and resuming
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's ``_save`` (safetensors, config, tokenizer, training args) of the anchor instead of
+        this rank's local model, plus ``co2_config.json``."""
         # with co2_worker_size > 1 the anchor is all-gathered inside the worker: every rank joins
         needs_gather = self.co2 is not None and self.co2_config.co2_worker_size > 1
         if self.co2 is not None and state_dict is None and (self.args.should_save or needs_gather):
@@ -319,6 +326,8 @@ class CO2Trainer(Trainer):
             checkpoint.write_co2_config(directory, **self._ran_with(), world_size=self.args.world_size)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model`` (``_save`` on the main process, Hub push on its own terms), and for
+        a user's own call a model card with CO2's section."""
         super().save_model(output_dir, _internal_call)
         if self.co2_config is not None and not _internal_call and self.is_world_process_zero():
             directory = output_dir if output_dir is not None else self.args.output_dir
@@ -383,6 +392,7 @@ class CO2Trainer(Trainer):
             self._push_from_checkpoint(final)
 
     def _get_output_dir(self, trial) -> str:
+        """The Trainer's run folder, except while a checkpoint is being staged (`_saving_into`)."""
         return getattr(self, "_co2_staging_root", None) or super()._get_output_dir(trial)
 
     @contextlib.contextmanager
@@ -413,6 +423,7 @@ class CO2Trainer(Trainer):
             state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        """The Trainer's loading as it is, except under FSDP2 inside workers (below)."""
         if checkpoint_dir is None or getattr(self.args, "worker_fsdp", None) is None:
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
         # FSDP2: optimizer.pt holds rank 0's shards only; every rank's own optimizer state comes
@@ -452,47 +463,20 @@ class CO2Trainer(Trainer):
         self._warn_world_changed(directory)
 
     def _warn_world_changed(self, directory: str) -> None:
-        """Once (rank 0; the others at INFO): what a resume on another world carried and what it reset,
-        and where the data resumes (the Trainer fast-forwards by steps, not by samples)."""
-        saved_world, saved_k = checkpoint.saved_world(directory)
-        world, k, co2 = self.args.world_size, self.co2_config.co2_worker_size, self.co2
-        per_process = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-        step = self.state.global_step
-        was, now = step * per_process * saved_world, step * per_process * world
-        data = (
-            f"samples {now} to {was - 1} of the epoch's order are seen a second time"
-            if now < was
-            else f"samples {was} to {now - 1} of the epoch's order are skipped"
-            if now > was
-            else "no sample is seen twice or skipped"
-        )
-        (logger.warning if self.is_world_process_zero() else logger.info)(
-            "CO2: resuming %s, saved by %d processes (%d workers of %d), on %d processes (%d workers of %d). "
-            "Carried over exactly, re-sharded: the anchor, the outer momentum, the outer average received "
-            "before the save (applied now, as the next boundary would have), the counters (step %d, round %d, "
-            "%d steps into it) and the learning-rate schedule; new worker w takes old worker w mod %d's inner "
-            "optimizer state and AMP scaler. Reset: every worker's local parameters restart from the anchor "
-            "(the steps each took since its round started are lost), and the start offsets. The data resumes "
-            "by steps: the saved run had read %d samples and this one skips %d, so %s (in the first epoch; "
-            "later the epochs shift too). Ranks >= %d find no RNG state of their own.",
+        """What a resume on another world carried, reset and does to the data (`checkpoint.warn_world_changed`)."""
+        args = self.args
+        checkpoint.warn_world_changed(
             directory,
-            saved_world,
-            saved_world // saved_k,
-            saved_k,
-            world,
-            world // k,
-            k,
-            step,
-            co2.round,
-            co2.round_step,
-            saved_world // saved_k,
-            was,
-            now,
-            data,
-            saved_world,
+            co2=self.co2,
+            world_size=args.world_size,
+            samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            step=self.state.global_step,
+            log=logger.warning if self.is_world_process_zero() else logger.info,
         )
 
     def create_model_card(self, *args, tags=None, **kwargs) -> None:
+        """The Trainer's card (its metadata, training results and hyperparameters), tagged ``co2`` and the
+        paper, with a section of the settings as they ran."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         if self.co2_config is not None:
             tags += [t for t in model_card.TAGS if t not in tags]
