@@ -22,27 +22,36 @@ pytestmark = pytest.mark.timeout(60)
 # sha256 (first 16 hex digits) of every engine's anchor and live state after 16 steps of 3 simulated
 # workers at tau 3 on one intra-op thread (the bits of a matmul depend on the thread count), computed
 # with the engine as it was before fragments existed (commit e5f4305): co2_fragments = 1 must
-# reproduce them bit for bit.
+# reproduce them bit for bit. The bits of a float32 matmul also depend on the CPU's kernels: the
+# second digest of each pair is the same engine's (commit 1a35d5a, which gave the first digests on
+# the machine they were recorded on) on a 2026-12 Xeon whose kernels round differently; bf16 on
+# the wire rounds the difference away.
 GOLDEN = {
-    "default": ({}, "328294269aec5bef"),
-    "eager_b0": (dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0), "196ec6949a98723a"),
+    "default": ({}, ("328294269aec5bef", "228eea3eba5f3ebc")),
+    "eager_b0": (
+        dict(co2_start_rule="eager", co2_outer_momentum=0.0, co2_gap_penalty=0.0),
+        ("196ec6949a98723a", "5e345ff31aebba51"),
+    ),
     "lookahead_nesterov": (
         dict(co2_start_rule="lookahead", co2_outer_momentum=0.5, co2_nesterov=True, co2_gap_penalty=0.0),
-        "7985f18fa6fb335a",
+        ("7985f18fa6fb335a", "b9c8a120cea2bba1"),
     ),
-    "window_eager": (dict(co2_overlap_steps=1, co2_start_rule="eager", co2_outer_momentum=0.5), "98ffaf6f364fa9d1"),
+    "window_eager": (
+        dict(co2_overlap_steps=1, co2_start_rule="eager", co2_outer_momentum=0.5),
+        ("98ffaf6f364fa9d1", "221da52ff1667a1f"),
+    ),
     "window_anchor_clip": (
         dict(co2_overlap_steps=2, co2_outer_momentum=0.5, co2_clip_threshold=0.05),
-        "e3e7fccf00ff405a",
+        ("e3e7fccf00ff405a", "d4263352816a6c7e"),
     ),
-    "slowmo": (dict(co2_overlap=False, co2_outer_momentum=0.5), "29aa4192b4801c8b"),
+    "slowmo": (dict(co2_overlap=False, co2_outer_momentum=0.5), ("29aa4192b4801c8b", "1789e20cfa6e976e")),
     "bf16_constant": (
         dict(co2_comm_dtype="bfloat16", co2_gap_penalty=2.0, co2_gap_penalty_mode="constant"),
-        "407ff40269dafe5d",
+        ("407ff40269dafe5d",),
     ),
     "warmup_eager_w": (
         dict(co2_sync_warmup_steps=2, co2_start_rule="eager", co2_eager_weight=0.5),
-        "9efa733ae22b26c1",
+        ("9efa733ae22b26c1", "45d0d4156f4b8e5e"),
     ),
 }
 
@@ -72,10 +81,10 @@ def one_thread():
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_one_fragment_reproduces_the_engine_before_fragments_bit_for_bit(name, one_thread):
-    knobs, digest = GOLDEN[name]
+    knobs, digests = GOLDEN[name]
     config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": 3, **knobs})  # CO2Config() was SPEC_DEFAULTS
     sim = train_simulated(workers=3, config=config, task=_task(), steps=16)
-    assert _digest(sim.engines) == digest
+    assert _digest(sim.engines) in digests
 
 
 class Workers:
