@@ -2,7 +2,8 @@
 
 A ~10M-parameter MLP, a single worker (every all-reduce is the identity, so the figure is the
 boundary's own compute: the chunked passes over anchor, momentum and buffer, the penalty and the
-resets), ``co2_local_steps=1`` so that every ``step()`` runs a boundary. Between boundaries the
+resets), ``co2_local_steps=1`` so that every ``step()`` runs a boundary (``streaming``: the default
+tau 12 in 12 fragments, every ``step()`` one fragment's apply and boundary). Between boundaries the
 live parameters take a small deterministic step outside the timed region, so every boundary has a
 non-zero outer gradient. One JSON line per setting: the median seconds per boundary.
 
@@ -39,6 +40,8 @@ SETTINGS = {
     "lookahead": dict(co2_start_rule="lookahead", co2_outer_momentum=0.5),
     "constant_nesterov": dict(co2_gap_penalty_mode="constant", co2_gap_penalty=2.0, co2_nesterov=True),
     "synchronous": dict(co2_overlap=False, co2_outer_momentum=0.5),
+    # the default: tau 12 in 12 fragments, so every step() is one fragment's apply and boundary
+    "streaming": dict(co2_local_steps=12),
 }
 
 
@@ -62,16 +65,18 @@ def time_setting(name: str, packages: list, *, width: int, depth: int, boundarie
     engines = []
     for package in packages:
         model = model_of(width, depth)
-        cfg = package.CO2Config(co2_local_steps=1, co2_clip_threshold=10.0, **SETTINGS[name])
+        cfg = package.CO2Config(**{"co2_local_steps": 1, "co2_clip_threshold": 10.0, **SETTINGS[name]})
         engines.append((package.CO2(model, cfg), [p for p in model.parameters()], []))
-    for i in range(boundaries + 2):  # the first two boundaries warm up (no average yet, allocations)
+    # the first round and one more boundary warm up (no average yet, allocations)
+    warm = max(2, cfg.co2_local_steps + 1)
+    for i in range(boundaries + warm):
         for co2, params, seconds in engines if i % 2 else engines[::-1]:  # who goes first alternates
             with torch.no_grad():
                 torch._foreach_add_(params, 1e-4 * (1 if i % 2 else -1))
             start = time.perf_counter()
             co2.step()
             seconds.append(time.perf_counter() - start)
-    return [seconds[2:] for _, _, seconds in engines]
+    return [seconds[warm:] for _, _, seconds in engines]
 
 
 def main() -> None:
