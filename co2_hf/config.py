@@ -234,6 +234,23 @@ class CO2Config:
             return 1
         return self.co2_local_steps
 
+    # What the engine asks of the string settings, answered here, where their values are validated:
+    # the engine compares no setting as a string.
+    @property
+    def bfloat16_wire(self) -> bool:
+        """The all-reduce travels as a bfloat16 copy of the fp32 buffer (``co2_comm_dtype='bfloat16'``)."""
+        return self.co2_comm_dtype == "bfloat16"
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """A quantized wire rounds stochastically (``co2_quant_rounding='stochastic'``)."""
+        return self.co2_quant_rounding == "stochastic"
+
+    @property
+    def state_on_host(self) -> bool:
+        """Anchor, momentum and buffers live in host memory (``co2_state_device='cpu'``)."""
+        return self.co2_state_device == "cpu"
+
     @property
     def code_bits(self) -> int | None:
         """Bits per value of a quantized wire (8 or 4); None for float32 and bfloat16."""

@@ -111,7 +111,7 @@ class CO2:
         fragment, one buffer in use at a time (``wire.py``)."""
         edges = self.layout.fragment_edges
         layouts = [self.layout.fragment(f) for f in range(len(edges) - 1)]
-        wire_dtype = torch.bfloat16 if self.config.co2_comm_dtype == "bfloat16" else torch.float32
+        wire_dtype = torch.bfloat16 if self.config.bfloat16_wire else torch.float32
         largest = max(hi - lo for lo, hi in zip(edges[:-1], edges[1:]))
         self._pool = WirePool(largest, self.num_workers, wire_dtype=wire_dtype, **zeros)
         parts = []

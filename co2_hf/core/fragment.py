@@ -462,7 +462,7 @@ def _codec(
         num_workers,
         bits=config.code_bits,
         block=config.co2_quant_block,
-        stochastic=config.co2_quant_rounding == "stochastic",
+        stochastic=config.stochastic_rounding,
         seed=index,
         device=device,
         pin_memory=pin_memory,

@@ -135,7 +135,7 @@ def pin_state(model: nn.Module, state_device: torch.device) -> bool:
 
 def state_device(model: nn.Module, config: CO2Config) -> torch.device:
     """Where the outer state lives: ``co2_state_device``, "same" meaning the parameters' device."""
-    if config.co2_state_device == "cpu":
+    if config.state_on_host:
         return torch.device("cpu")
     for tensor in model.parameters():
         return tensor.device
