@@ -1,8 +1,6 @@
 """G simulated workers (``co2_hf.testing.SimulatedNetwork``) on the tiny task of tests/workers.py,
-trained step by step in one process, which can be saved and rebuilt mid-run (tests/test_quant.py).
-
-The same class as ``Workers`` in tests/test_fragments.py, which keeps its own copy for now (its file
-has another owner); a test module imports it from here, never from another test module.
+trained step by step in one process, which can be saved and rebuilt mid-run (tests/test_fragments.py,
+tests/test_quant.py): a test module imports it from here, never from another test module.
 """
 
 from __future__ import annotations

@@ -6,16 +6,16 @@ test_hierarchical.py.)"""
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, sim_task
+from simulated import Workers
+from workers import SPEC_DEFAULTS, TinyNet, sim_task
 
 from co2_hf import CO2Config
 from co2_hf.core import CO2
 from co2_hf.core.wire import header_numel
-from scripts.sim import SimulatedNetwork, Task, train_simulated
+from scripts.sim import Task, train_simulated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,67 +85,6 @@ def test_one_fragment_reproduces_the_engine_before_fragments_bit_for_bit(name, o
     config = CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": 3, **knobs})  # CO2Config() was SPEC_DEFAULTS
     sim = train_simulated(workers=3, config=config, task=_task(), steps=16)
     assert _digest(sim.engines) in digests
-
-
-class Workers:
-    """G simulated workers trained step by step, which can be saved and rebuilt mid-run."""
-
-    def __init__(self, config: CO2Config, workers: int = 3, saved: list[dict] | None = None) -> None:
-        self.config, self.network = config, SimulatedNetwork(workers)
-        self.models = [TinyNet(seed=i) for i in range(workers)]
-        self.optimizers = [make_optimizer(m) for m in self.models]
-        self.pool = ThreadPoolExecutor(workers)
-        self.engines = self._each(
-            lambda i: CO2(
-                self.models[i], config, optimizer=self.optimizers[i], communicator=self.network.communicator(i)
-            )
-        )
-        for i, state in enumerate(saved or []):
-            self.models[i].load_state_dict(state["model"])
-            self.optimizers[i].load_state_dict(state["optimizer"])
-            self.engines[i].load_state_dict(state["co2"])
-
-    def _each(self, fn):
-        return list(self.pool.map(fn, range(len(self.models))))
-
-    def train(self, start: int, stop: int, poison: tuple[int, int] | None = None) -> None:
-        """Steps ``start .. stop - 1``; ``poison = (worker, step)`` puts a NaN in that worker's
-        weights after that step's optimizer step."""
-        for step in range(start, stop):
-            for i, (model, optimizer) in enumerate(zip(self.models, self.optimizers)):
-                optimizer.zero_grad()
-                loss_on(model, i, step).backward()
-                optimizer.step()
-                if poison == (i, step):
-                    with torch.no_grad():
-                        model.hidden.weight[0, 0] = float("nan")
-            self._each(lambda i: self.engines[i].step())
-
-    def save(self) -> list[dict]:
-        """Every worker's state, cloned (state_dict tensors are references)."""
-        states = self._each(lambda i: self.engines[i].state_dict())  # waits for the fragment in flight
-        return [
-            {
-                "model": {k: v.clone() for k, v in m.state_dict().items()},
-                "optimizer": _clone(o.state_dict()),
-                "co2": _clone(s),
-            }
-            for m, o, s in zip(self.models, self.optimizers, states)
-        ]
-
-    def finish(self) -> list[dict[str, torch.Tensor]]:
-        self._each(lambda i: self.engines[i].finalize())
-        return [{k: v.clone() for k, v in m.state_dict().items()} for m in self.models]
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj
 
 
 FRAGMENTED = dict(co2_local_steps=6, co2_fragments=3, co2_outer_momentum=0.5, co2_gap_penalty=0.0)
