@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tables import OUTER
 from torch import nn
 
 from co2_hf import CO2, CO2Config
@@ -125,13 +126,6 @@ def _average_grads(models: list[nn.Module]) -> None:
 
 # ---------------------------------------------------------------- worked example through the engine
 
-WORKED_OUTER = [
-    ((0.10, -0.20), (0.30, 0.00)),
-    ((0.05, 0.10), (0.15, -0.10)),
-    ((-0.20, 0.40), (0.00, 0.20)),
-    ((0.10, 0.10), (0.10, 0.30)),
-]
-
 
 class Pair(nn.Module):
     def __init__(self, init: tuple[float, float]) -> None:
@@ -144,7 +138,7 @@ def worked_example(rank: int, world: int, cfg_kwargs: dict) -> list[tuple[list, 
     model = Pair((1.0, -2.0) if rank == 0 else (7.0, 7.0))  # the broadcast from rank 0 fixes this
     co2 = CO2(model, CO2Config(co2_local_steps=1, **cfg_kwargs))
     rows = []
-    for outer in WORKED_OUTER:
+    for outer in OUTER:
         with torch.no_grad():
             model.w.sub_(torch.tensor(outer[rank]))  # as if local steps had moved it by d
         co2.step()
