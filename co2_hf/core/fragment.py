@@ -85,10 +85,12 @@ class Fragment:
         n = layout.shard_numel
         zeros = dict(dtype=torch.float32, device=self.device, pin_memory=pin_memory)
         self._anchor, self._momentum = anchor, momentum  # this fragment's views of the engine's
-        # One fragment keeps its buffer all along (it is in flight across whole rounds); streaming
-        # fragments hold one only from their boundary until their average is applied.
+        # One fragment keeps its buffer all along (it is in flight across whole rounds, and its
+        # checkpoint always holds it); streaming fragments hold one only from their boundary until
+        # their average is applied.
         self._pool = pool
-        self._wire: WireBuffer | None = pool.acquire(n) if plan.fragments == 1 else None
+        self._keeps_buffer = plan.fragments == 1
+        self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
         self.codec = _codec(config, n, num_workers, index, self.device, pin_memory)
         self.start = make_start_rule(plan, config, self._momentum, layout.param_local, **zeros)
         self.penalty = make_penalty(plan, config, layout, self.device)  # P = 1 unless updates are stale
@@ -194,9 +196,9 @@ class Fragment:
         ``buffer`` is held only where it means something: one fragment's (always), or a fragment's
         with a received D in it (``have_d``); None otherwise."""
         self.drain()
-        keeps = self._wire is not None and (self.plan.fragments == 1 or self.progress.have_d)
+        saved = self._keeps_buffer or self.progress.have_d
         return {
-            "buffer": self._wire.fp32 if keeps else None,
+            "buffer": self._wire.fp32 if saved else None,
             "own_outer_grad": self.start.offset,  # None under the anchor start rule
             "counters": to_dict(self.progress),
             "residuals": None if self.codec is None else self.codec.state(),  # int8/int4 wires
@@ -206,7 +208,7 @@ class Fragment:
         """Restore `state_dict`'s output (or a format-2 fragment of an older version, whose buffer of a
         fragment without a received D is not needed and not read)."""
         self.progress = from_dict(FragmentProgress, kept["counters"])
-        if self.plan.fragments == 1 or self.progress.have_d:
+        if self._keeps_buffer or self.progress.have_d:
             self._hold().fp32.copy_(kept["buffer"])
         self._release_if_idle()
         self.start.load_(kept["own_outer_grad"])
@@ -246,7 +248,8 @@ class Fragment:
 
     def _release_if_idle(self) -> None:
         """Streaming fragments give their buffer back once nothing is in flight or waiting in it."""
-        if self.plan.fragments > 1 and self._wire is not None and self._pending is None and not self.progress.have_d:
+        idle = self._pending is None and not self.progress.have_d
+        if idle and not self._keeps_buffer and self._wire is not None:
             self._pool.release(self._wire)
             self._wire = None
 

@@ -83,6 +83,12 @@ def synchronised_tensors(module: nn.Module) -> list[Segment]:
     return segments
 
 
+def fragment_edges(numel: int, fragments: int) -> list[int]:
+    """Where each of ``fragments`` fragments of a shard of ``numel`` elements starts, and the end:
+    ``fragments + 1`` offsets, the fragments as equal as integers allow."""
+    return [f * numel // fragments for f in range(fragments + 1)]
+
+
 class FlatLayout:
     """Where each synchronised tensor lives in the flat vector and in this process's shard."""
 
@@ -121,7 +127,7 @@ class FlatLayout:
                 "outer state: allowed values are 1 to that size"
             )
         # fragment f is [edges[f], edges[f+1]) of every shard: balanced by bytes, cut anywhere
-        self.fragment_edges = [f * self.shard_numel // fragments for f in range(fragments + 1)]
+        self.fragment_edges = fragment_edges(self.shard_numel, fragments)
         own = shard_index if split > 1 else 0
         self.shard_start = own * self.shard_numel
         self.chunks = self.shard_chunks(own)

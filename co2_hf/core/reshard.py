@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import update
+from .layout import fragment_edges
 from .state import RESUMABLE_CHANGES, STATE_FORMAT, check_same_config, upgrade
 from .wire import header_numel
 
@@ -74,13 +75,13 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
     end to end, and ``received``: 1 where that fragment's buffer holds a received ``D``."""
     saved = upgrade(saved)
     header = header_numel(saved["num_workers"])
-    n, count = saved["anchor"].numel(), len(saved["fragments"])
+    edges = fragment_edges(saved["anchor"].numel(), len(saved["fragments"]))
     payloads = [
         # a fragment with nothing received saves no buffer (its values would not be read)
         torch.zeros(hi - lo)
         if fragment["buffer"] is None
         else fragment["buffer"][: fragment["buffer"].numel() - header]
-        for fragment, lo, hi in zip(saved["fragments"], *_edges(n, count))
+        for fragment, lo, hi in zip(saved["fragments"], edges[:-1], edges[1:])
     ]
     received = [
         torch.full_like(d, float(fragment["counters"]["have_d"])) for d, fragment in zip(payloads, saved["fragments"])
@@ -91,12 +92,6 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
         "payload": torch.cat(payloads),
         "received": torch.cat(received),
     }
-
-
-def _edges(numel: int, fragments: int) -> tuple[list[int], list[int]]:
-    """Where each of ``fragments`` fragments of a shard of ``numel`` starts and stops (layout.py's cut)."""
-    cuts = [f * numel // fragments for f in range(fragments + 1)]
-    return cuts[:-1], cuts[1:]
 
 
 def _counters(saved: dict[str, Any]) -> dict[str, Any]:

@@ -106,14 +106,12 @@ class Plan:
         return {**config.co2_dict(), "co2_fragments": self.fragments}
 
 
-def fit_default_fragments(config: Any, shard_numel: int | None) -> Any:
+def fit_default_fragments(config: Any, shard_numel: int) -> Any:
     """``co2_fragments`` unset means one fragment per inner step; a model with fewer elements per
     process than that gets the most fragments it can hold (a divisor of tau), with a WARNING. A value
     the user set is never changed: `FlatLayout` refuses it if it does not fit. Returns the config
     with the fitted value set, or ``config`` itself when nothing changes."""
-    if config.co2_fragments is not None or config.fragments == 1 or shard_numel is None:
-        return config
-    if config.fragments <= shard_numel:
+    if config.co2_fragments is not None or config.fragments == 1 or config.fragments <= shard_numel:
         return config
     tau = config.co2_local_steps
     fitted = max(d for d in range(1, tau + 1) if tau % d == 0 and d <= max(shard_numel, 1))

@@ -82,13 +82,14 @@ class WirePool:
     A fragment holds a buffer from its boundary (``d`` written, launched) until its average ``D``
     has been applied; with streaming fragments that is one fragment at a time, so one buffer of the
     largest fragment's size serves them all and the outer state is anchor, momentum and 1/F of a
-    buffer instead of a whole one (``docs/algorithm.md``, section 10). A buffer released is kept for
-    the next fragment: nothing is freed or allocated again while training."""
+    buffer instead of a whole one (``docs/algorithm.md``, section 9). A buffer released is kept for
+    the next fragment, and so is each fragment-sized view of it: nothing is allocated while training."""
 
     def __init__(self, payload_numel: int, num_workers: int, *, wire_dtype: torch.dtype, **zeros) -> None:
         self._numel, self._num_workers, self._wire_dtype, self._zeros = payload_numel, num_workers, wire_dtype, zeros
         self._free: list[WireBuffer] = []
         self._made: list[WireBuffer] = []
+        self._views: dict[tuple[int, int], WireBuffer] = {}  # (buffer's index in _made, payload) -> view
         self._make()  # the one every run needs, made up front so that memory is known from the start
 
     def _make(self) -> None:
@@ -103,20 +104,23 @@ class WirePool:
         if not self._free:  # finalize: a fragment finishes while another is in flight
             self._make()
         whole = self._free.pop()
-        stop = payload_numel + header_numel(self._num_workers)
-        wire = None if whole.wire is whole.fp32 else whole.wire[:stop]
-        part = WireBuffer(whole.fp32[:stop], self._num_workers, wire=wire)
-        part.whole = whole  # what release gives back
-        return part
+        key = (self._made.index(whole), payload_numel)
+        if key not in self._views:
+            stop = payload_numel + header_numel(self._num_workers)
+            wire = None if whole.wire is whole.fp32 else whole.wire[:stop]
+            self._views[key] = WireBuffer(whole.fp32[:stop], self._num_workers, wire=wire)
+        return self._views[key]
 
     def release(self, buffer: WireBuffer) -> None:
-        self._free.append(buffer.whole)
+        """Give back a buffer from `acquire` (its views start where the whole buffer starts)."""
+        whole = next(made for made in self._made if made.fp32.data_ptr() == buffer.fp32.data_ptr())
+        self._free.append(whole)
 
     def trim(self) -> None:
-        """Keep one free buffer and drop the others (``finalize`` may have needed two at once)."""
-        extra = {id(buffer) for buffer in self._free[1:]}
-        self._free = self._free[:1]
-        self._made = [buffer for buffer in self._made if id(buffer) not in extra]
+        """Keep the first buffer and drop the others (``finalize`` may have needed two at once)."""
+        if len(self._made) > 1 and len(self._free) == len(self._made):
+            self._made, self._free = self._made[:1], self._made[:1]
+            self._views = {key: view for key, view in self._views.items() if key[0] == 0}
 
     def nbytes(self) -> int:
         return sum(buffer.nbytes() for buffer in self._made)
