@@ -324,6 +324,7 @@ def test_the_communicator_is_fixed_at_construction_and_a_wrapper_forwards_every_
 def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_path):
     import json
 
+    from co2_hf.core.schedule import Plan
     from co2_hf.integrations import checkpoint, model_card
 
     plan = CO2(TinyNet(seed=0), CO2Config()).plan
@@ -344,6 +345,6 @@ def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_pat
     saved = json.loads((tmp_path / "co2_config.json").read_text())
     assert saved["co2_fragments"] == 12 and saved["co2_plan"]["fragments"] == 12 and saved["num_workers"] == 2
     (tmp_path / "README.md").write_text("# model\n")
-    model_card.add_co2_section(str(tmp_path / "README.md"), CO2Config(), world_size=2)  # no engine: resolved
+    model_card.add_co2_section(str(tmp_path / "README.md"), CO2Config(), plan=Plan.resolve(CO2Config()), world_size=2)
     card = (tmp_path / "README.md").read_text()
     assert "| `co2_fragments` | `12` |" in card and "| resolved: `start_rule` | `lookahead` |" in card

@@ -218,10 +218,9 @@ def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
     return state
 
 
-def write_co2_config(directory: str, config: CO2Config, *, world_size: int, plan: Plan | None = None) -> None:
-    """``co2_config.json``: the settings as they ran (``plan``: the engine's; None: resolved from
-    ``config``), the world, and the resolved plan under ``co2_plan``."""
-    plan = plan if plan is not None else Plan.resolve(config)
+def write_co2_config(directory: str, config: CO2Config, *, plan: Plan, world_size: int) -> None:
+    """``co2_config.json``: the settings as they ran (``co2_fragments`` the plan's F), the world, and
+    the resolved ``plan`` under ``co2_plan``."""
     payload = {**plan.settings(config), "world_size": world_size, "co2_plan": plan.describe()}
     payload["num_workers"] = world_size // config.co2_worker_size
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:

@@ -91,10 +91,9 @@ def _task_of(config_path: str) -> str | None:
     return None
 
 
-def add_co2_section(card_path: str, config: CO2Config, *, world_size: int, plan: Plan | None = None) -> None:
+def add_co2_section(card_path: str, config: CO2Config, *, plan: Plan, world_size: int) -> None:
     """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``: the
-    settings as they ran (``plan``: the engine's; None: resolved from ``config``) and the plan."""
-    plan = plan if plan is not None else Plan.resolve(config)
+    settings as they ran (``co2_fragments`` the plan's F) and the resolved ``plan``."""
     complete_card(card_path)
     card = _load(card_path)
     tags = list(card.data.tags or [])

@@ -55,6 +55,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 
 from ..config import CO2Config
 from ..core import CO2
+from ..core.schedule import Plan
 from . import checkpoint, launch, model_card, publish
 from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
@@ -486,9 +487,10 @@ class CO2Trainer(Trainer):
             model_card.add_co2_section(card, **self._ran_with(), world_size=self.args.world_size)
 
     def _ran_with(self) -> dict:
-        """The settings and plan the engine ran with (before training: as they resolve from the arguments)."""
+        """The settings and plan the engine ran with (before training: as they resolve from the
+        arguments, without the model's size to fit the default fragments to)."""
         if self.co2 is None:
-            return {"config": self.co2_config, "plan": None}
+            return {"config": self.co2_config, "plan": Plan.resolve(self.co2_config)}
         return {"config": self.co2.config, "plan": self.co2.plan}
 
     def _write_model_card(self, directory: str) -> None:
