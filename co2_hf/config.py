@@ -15,9 +15,11 @@ from typing import Any, Literal
 
 START_RULES = ("anchor", "eager", "lookahead")
 PENALTY_MODES = ("gap_aware", "constant")
-COMM_DTYPES = ("float32", "bfloat16", "int8", "int4")
+COMM_DTYPES = ("float32", "bfloat16", "int8", "int4", "sparse")
 QUANT_ROUNDINGS = ("nearest", "stochastic")
 CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
+SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/sparse.py)
+MAX_SPARSE_BLOCK = 256  # the sparse wire sends a kept value's position within its block as one byte
 STATE_DEVICES = ("same", "cpu")
 
 # The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
@@ -90,16 +92,26 @@ class CO2Config:
     co2_clip_threshold: float | None = _knob(
         None, "phi > 0: clip the global L2 norm of the outer momentum to phi; unset: no clipping."
     )
-    co2_comm_dtype: Literal["float32", "bfloat16", "int8", "int4"] = _knob(
+    co2_comm_dtype: Literal["float32", "bfloat16", "int8", "int4", "sparse"] = _knob(
         "float32",
         "What the outer all-reduce sends: 'float32', 'bfloat16', or block-quantized codes with "
-        "error feedback, 'int8' (about 0.26x the bytes of float32) or 'int4' (about 0.13x). Outer "
-        "state stays float32.",
+        "error feedback, 'int8' (about 0.26x the bytes of float32) or 'int4' (about 0.13x), or "
+        "'sparse': per block, the co2_sparse_density largest values in co2_sparse_bits bits with "
+        "error feedback, all-gathered (core/sparse.py). Outer state stays float32.",
     )
     co2_quant_block: int = _knob(
         128,
-        "With co2_comm_dtype int8/int4: values per quantization block, each block with one float32 "
-        "scale (an even integer >= 2; smaller blocks are more exact and send more scales).",
+        "With co2_comm_dtype int8/int4/sparse: values per block, each block with one float32 "
+        "scale (an even integer >= 2, at most 256 with 'sparse'; smaller blocks are more exact and "
+        "send more scales).",
+    )
+    co2_sparse_density: float = _knob(
+        1 / 64,
+        "With co2_comm_dtype='sparse': the fraction of each block's values sent, in (0, 1]: "
+        "round(density * co2_quant_block) values per block (at least 1), its largest magnitudes.",
+    )
+    co2_sparse_bits: int = _knob(
+        2, "With co2_comm_dtype='sparse': bits per sent value, 2 or 4 (one float32 scale per block)."
     )
     co2_quant_rounding: Literal["nearest", "stochastic"] = _knob(
         "nearest",
@@ -181,6 +193,7 @@ class CO2Config:
                 "applied at once): allowed value here is None"
             )
         self._validate_fragments()
+        self._validate_sparse()
         timeout = self.co2_timeout_s
         _check(
             "co2_timeout_s",
@@ -207,6 +220,17 @@ class CO2Config:
                 setattr(self, f.name, int(value))
             elif isinstance(value, numbers.Real):
                 setattr(self, f.name, float(value))
+
+    def _validate_sparse(self) -> None:
+        density, bits = self.co2_sparse_density, self.co2_sparse_bits
+        _check("co2_sparse_density", density, _is_real(density) and 0 < density <= 1, "a number in (0, 1]")
+        _check("co2_sparse_bits", bits, bits in SPARSE_BITS and not isinstance(bits, bool), "2 or 4")
+        block = self.co2_quant_block
+        if self.co2_comm_dtype == "sparse" and block > MAX_SPARSE_BLOCK:
+            raise ValueError(
+                f"co2_quant_block={block} is not allowed with co2_comm_dtype='sparse' (a kept value's "
+                f"position in its block travels as one byte): it must be an even integer in [2, {MAX_SPARSE_BLOCK}]"
+            )
 
     def _validate_fragments(self) -> None:
         fragments, tau = self.co2_fragments, self.co2_local_steps
@@ -257,6 +281,16 @@ class CO2Config:
         return CODE_BITS.get(self.co2_comm_dtype)
 
     @property
+    def sparse_wire(self) -> bool:
+        """The outer gradient travels as block-local top-k codes (``co2_comm_dtype='sparse'``)."""
+        return self.co2_comm_dtype == "sparse"
+
+    @property
+    def sparse_keep(self) -> int:
+        """Values the sparse wire sends per block: ``round(co2_sparse_density * co2_quant_block)``, >= 1."""
+        return max(1, round(self.co2_sparse_density * self.co2_quant_block))
+
+    @property
     def window_steps(self) -> int | None:
         """k: inner steps between a launch and the in-round apply of its average; None: applied at
         the next boundary (a full round of overlap). Fragments: tau / F, the gap between two
@@ -284,7 +318,24 @@ class CO2Config:
                 f"co2_comm_dtype='bfloat16' supports at most {MAX_BF16_WORKERS} workers (its round "
                 f"check is exact only up to there); got {workers}. Use co2_comm_dtype='float32'."
             )
+        if self.sparse_wire:
+            self._check_sparse_pays(workers)
         return workers
+
+    def _check_sparse_pays(self, workers: int) -> None:
+        """The sparse all-gather sends (G-1) payloads per rank: past `max_paying_workers` the dense
+        int4 all-reduce sends fewer bytes, so such a launch is refused (docs/algorithm.md)."""
+        from .core.sparse import max_paying_workers
+
+        block, keep, bits = self.co2_quant_block, self.sparse_keep, self.co2_sparse_bits
+        limit = max_paying_workers(block=block, keep=keep, bits=bits, int4_block=block)
+        if workers > limit:
+            raise ValueError(
+                f"co2_comm_dtype='sparse' with co2_sparse_density={self.co2_sparse_density}, "
+                f"co2_sparse_bits={bits} and co2_quant_block={block} sends more bytes than "
+                f"co2_comm_dtype='int4' beyond {limit} workers (an all-gather of every worker's payload "
+                f"grows with G); got {workers}. Use co2_comm_dtype='int4', or a lower co2_sparse_density."
+            )
 
     def co2_dict(self) -> dict[str, Any]:
         """The ``co2_*`` fields as a plain dict (what checkpoints and model cards store)."""

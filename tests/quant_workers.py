@@ -92,3 +92,59 @@ def hierarchical_over_the_wire(rank: int, world: int, steps: int) -> dict:
     return train_hierarchical(
         rank, world, dict(co2_local_steps=4, co2_worker_size=2, co2_comm_dtype="int8", co2_quant_block=8), steps
     )
+
+
+def sparse_rounds(rank: int, world: int, bits: int, rounds: int) -> dict:
+    """``rounds`` sparse all-reduces with error feedback over gloo, the bytes each all-gather sent,
+    and the same sums computed naively on every rank from every rank's fp32 vectors."""
+    from co2_hf.core.collectives import GroupCollectives
+    from co2_hf.core.sparse import SparseFeedback, decode, sparse_all_reduce_, sparse_padded_numel
+
+    numel, block, keep = 1000, 64, 3  # not whole blocks: coded zero-padded
+    padded = sparse_padded_numel(numel, block=block)
+    how = dict(block=block, keep=keep, bits=bits)
+    collectives, sizes = GroupCollectives(), []
+    original = collectives.all_gather_
+
+    def counted(output, input):
+        sizes.append(input.numel() * input.element_size())
+        original(output, input)
+
+    collectives.all_gather_ = counted
+    feedback, refs = SparseFeedback(padded), [SparseFeedback(padded) for _ in range(world)]
+    results = []
+    for t in range(rounds):
+        x = vector(rank, t, numel)
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x)
+        header = torch.tensor([1.0, 0.25 * rank + t])
+        got = sparse_all_reduce_(x.clone(), collectives, feedback=feedback, exact=header, **how)
+        decoded = [decode(*refs[r].compress(every[r], stochastic=False, **how), **how)[:numel] for r in range(world)]
+        expected = torch.zeros(numel)
+        for d in decoded:  # the reference adds dense vectors, in rank order
+            expected += d
+        results.append({"got": got, "expected": expected, "header": header})
+    return {"rounds": results, "sizes": sizes, "residual": feedback.residual}
+
+
+def sparse_engine_over_the_wire(rank: int, world: int, steps: int) -> dict:
+    """The engine on TinyNet over gloo with the sparse wire (streaming, tau 4): its anchors, and the
+    bytes of every all-gather input this rank sent."""
+    from workers import train_engine
+
+    from co2_hf.core import sparse
+
+    sizes: list[int] = []
+    original = sparse.GroupCollectives.all_gather_
+
+    def counted(self, output, input):
+        sizes.append(input.numel() * input.element_size())
+        original(self, output, input)
+
+    sparse.GroupCollectives.all_gather_ = counted
+    try:
+        cfg = dict(co2_local_steps=4, co2_comm_dtype="sparse", co2_quant_block=16, co2_sparse_density=0.125)
+        run = train_engine(rank, world, cfg, steps)
+    finally:
+        sparse.GroupCollectives.all_gather_ = original
+    return {"run": run, "sizes": sizes}

@@ -25,7 +25,7 @@ phase (a private method) does one thing, chunk by chunk:
 - ``_receive`` / ``_drain``: wait for the all-reduce in flight, read its header, ``D`` = the mean;
 - ``_direction``: ``P``, ``m <- beta*m + P*D``, clip ``m``, the step ``v`` (when a ``D`` came);
 - ``_exchange``: ``d = start - x``; ``a <- a - alpha*v`` (when a ``D`` came); buffer <- ``d``;
-- ``_launch``: header, then the all-reduce of this round's ``d`` (as codes with an int8/int4 wire);
+- ``_launch``: header, then the all-reduce of this round's ``d`` (as codes with an int8/int4/sparse wire);
 - ``_apply``: ``a <- a - alpha*v`` alone;
 - ``_reset``: ``x <- a - o``; ``_shift``: ``x <- x + (a_new - start)``.
 """
@@ -50,6 +50,7 @@ from .live import LiveTensors
 from .quant import QuantizedWire
 from .rules import make_penalty, make_start_rule
 from .schedule import Plan
+from .sparse import SparseWire
 from .state import FragmentProgress, from_dict, to_dict
 from .wire import WireBuffer, WirePool
 
@@ -91,7 +92,7 @@ class Fragment:
         self._pool = pool
         self._keeps_buffer = plan.fragments == 1
         self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
-        self.codec = _codec(config, n, num_workers, index, self.device, pin_memory)
+        self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory)
         self.start = make_start_rule(plan, config, self._momentum, layout.param_local, **zeros)
         self.penalty = make_penalty(plan, config, layout, self.device)  # P = 1 unless updates are stale
         # a fragment's momentum is clipped to phi * sqrt(its share of the parameters), so that the
@@ -201,7 +202,7 @@ class Fragment:
             "buffer": self._wire.fp32 if saved else None,
             "own_outer_grad": self.start.offset,  # None under the anchor start rule
             "counters": to_dict(self.progress),
-            "residuals": None if self.codec is None else self.codec.state(),  # int8/int4 wires
+            "residuals": None if self.codec is None else self.codec.state(),  # int8/int4/sparse wires
         }
 
     def load_state_dict(self, kept: dict[str, Any]) -> None:
@@ -454,19 +455,40 @@ class Fragment:
 
 
 def _codec(
-    config: CO2Config, numel: int, num_workers: int, index: int, device: torch.device, pin_memory: bool
-) -> QuantizedWire | None:
-    """The fragment's quantizer with a coded wire (``co2_comm_dtype`` int8/int4) over more than one
-    worker; None otherwise (one worker sends nothing, so nothing is coded)."""
-    if config.code_bits is None or num_workers == 1:
+    config: CO2Config, layout: FlatLayout, num_workers: int, index: int, device: torch.device, pin_memory: bool
+) -> QuantizedWire | SparseWire | None:
+    """The fragment's codec with a coded wire (``co2_comm_dtype`` int8/int4: `QuantizedWire`; sparse:
+    `SparseWire`, whose float buffers travel exactly) over more than one worker; None otherwise (one
+    worker sends nothing, so nothing is coded)."""
+    if num_workers == 1 or not (config.code_bits or config.sparse_wire):
         return None
+    numel, how = layout.shard_numel, dict(stochastic=config.stochastic_rounding, seed=index, device=device)
+    if config.sparse_wire:
+        _say_sparse_density(config.co2_sparse_density, config.sparse_keep, config.co2_quant_block)
+        return SparseWire(
+            numel,
+            block=config.co2_quant_block,
+            keep=config.sparse_keep,
+            bits=config.co2_sparse_bits,
+            dense=numel - layout.param_local,
+            pin_memory=pin_memory,
+            **how,
+        )
     return QuantizedWire(
-        numel,
-        num_workers,
-        bits=config.code_bits,
-        block=config.co2_quant_block,
-        stochastic=config.stochastic_rounding,
-        seed=index,
-        device=device,
-        pin_memory=pin_memory,
+        numel, num_workers, bits=config.code_bits, block=config.co2_quant_block, pin_memory=pin_memory, **how
     )
+
+
+@functools.cache
+def _say_sparse_density(density: float, keep: int, block: int) -> None:
+    """co2_sparse_density is rounded to whole values per block: say so once where that changes it."""
+    if keep != density * block:
+        logger.warning(
+            "CO2: co2_sparse_density=%s keeps round(%s x co2_quant_block=%d) = %d values per block: "
+            "the wire's density is %.6g",
+            density,
+            density,
+            block,
+            keep,
+            keep / block,
+        )

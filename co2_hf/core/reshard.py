@@ -11,9 +11,12 @@ What carries over, and how (``README.md``, "Losing a node"):
 - the live parameters do not: new worker ``w'`` is not old worker ``w'``. Every new rank starts
   from the anchor with the in-flight average applied (`start_from_anchor`: the step the next
   boundary would have taken with that ``D``, taken now), so the start rule's offsets are reset
-  (they described each old worker's own round), and so are a quantized wire's error-feedback
+  (they described each old worker's own round), and so are an int8/int4 wire's error-feedback
   residuals (what an old rank's codes left out of its own outer gradients and of the slice of the
   sum it owned: at most one round's rounding error, and the slices are cut anew);
+- a sparse wire's residual (``unsent``: most of each outer gradient, still owed to the average) is
+  re-sharded like the anchor, and weighed so that the mean over the new workers of what they still
+  owe is the old workers' mean, where every old worker has a taker (`_unsent_weight`);
 - the inner optimizer state of new worker ``w'`` is old worker ``w' mod G``'s, re-sharded under
   FSDP2 (`resharded_optimizer_state`): the statistics of a worker that trained the same model on
   the same data distribution, rather than a cold restart (an Adam reset makes the next steps as
@@ -86,12 +89,32 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
     received = [
         torch.full_like(d, float(fragment["counters"]["have_d"])) for d, fragment in zip(payloads, saved["fragments"])
     ]
-    return {
+    carried = {
         "anchor": saved["anchor"],
         "momentum": saved["momentum"],
         "payload": torch.cat(payloads),
         "received": torch.cat(received),
     }
+    if _has_unsent(saved):
+        carried["unsent"] = torch.cat(
+            [_fit(fragment["residuals"]["unsent"], d.numel()) for fragment, d in zip(saved["fragments"], payloads)]
+        )
+    return carried
+
+
+def _has_unsent(state: dict[str, Any]) -> bool:
+    """Whether ``state``'s fragments hold a sparse wire's residual (``unsent``, core/sparse.py)."""
+    residuals = state["fragments"][0].get("residuals")
+    return residuals is not None and "unsent" in residuals
+
+
+def _fit(values: Tensor, numel: int) -> Tensor:
+    """``values`` cut or zero-padded to ``numel`` (a residual is padded to whole blocks; past the
+    fragment's parameters it holds zeros)."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    m = min(numel, values.numel())
+    out[:m] = values[:m].float().cpu()
+    return out
 
 
 def _counters(saved: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +133,7 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
     holds the received ``D``. Several: nothing is received (`_apply_received` applied it), and every
     fragment's round is the clock's."""
     one = len(fresh["fragments"]) == 1
+    edges = fragment_edges(fresh["anchor"].numel(), len(fresh["fragments"]))
     fragments = []
     for fragment in fresh["fragments"]:
         buffer = None  # several fragments: nothing is received, so no buffer is needed
@@ -125,6 +149,9 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
         zero = None if offset is None else torch.zeros_like(offset)
         residuals = fragment.get("residuals")  # int8/int4 wires: reset, as the offsets are
         residuals = None if residuals is None else {k: torch.zeros_like(v) for k, v in residuals.items()}
+        if "unsent" in tensors:  # a sparse wire's: this fragment's cut of the re-sharded residual
+            lo, hi = edges[len(fragments)], edges[len(fragments) + 1]
+            residuals["unsent"] = _fit(tensors["unsent"][lo:hi], residuals["unsent"].numel()).to(residuals["unsent"])
         fragments.append({"buffer": buffer, "own_outer_grad": zero, "counters": kept, "residuals": residuals})
     if not one:  # the skipped rounds, summed, are kept on the first fragment
         fragments[0]["counters"]["skipped_rounds"] = sum(c["skipped_rounds"] for c in counters["fragments"])
@@ -135,6 +162,15 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
         "counters": dict(counters["clock"]),
         "fragments": fragments,
     }
+
+
+def _unsent_weight(old_workers: int, new_workers: int, worker_index: int) -> float:
+    """The weight of the residual new worker ``w'`` takes from old worker ``w = w' mod G``: ``G' / (G m_w)``,
+    ``m_w`` the new workers taking it. Then ``sum_w' r_w' / G' = sum_w r_w / G``, the average still
+    owed, whenever every old worker has a taker (``G' >= G``); fewer workers keep their takers' share."""
+    source = worker_index % old_workers
+    takers = sum(1 for w in range(new_workers) if w % old_workers == source)
+    return new_workers / (old_workers * takers)
 
 
 def _apply_received(tensors: dict[str, Tensor], engine: Any) -> None:
@@ -202,9 +238,11 @@ def resharded_state(saved: list[dict[str, Any]], engine: Any) -> dict[str, Any]:
     saved = sorted(saved, key=lambda state: _layout(state)["shard_index"])
     layouts = [_layout(state) for state in saved]
     tensors = {}
-    for key in CARRIED:
+    for key in CARRIED + (("unsent",) if _has_unsent(saved[0]) else ()):
         whole = _whole_segments([_tensors(state)[key] for state in saved], layouts)
         tensors[key] = _own_shard(whole, engine.layout)
+    if "unsent" in tensors:
+        tensors["unsent"].mul_(_unsent_weight(saved[0]["num_workers"], engine.num_workers, engine.comm.worker_index))
     if engine.config.fragments > 1:
         _apply_received(tensors, engine)
     return _state_like(engine.state_dict(), tensors, _counters(saved[0]))

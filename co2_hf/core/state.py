@@ -25,8 +25,15 @@ STATE_FORMAT = 2
 # Settings that may change on resume: they do not alter the trajectory.
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
 # Settings added since format 1, with the value every older checkpoint was trained with (a float32
-# or bfloat16 wire, where the quantizer's knobs had no effect, read as their defaults).
-ADDED_SETTINGS = {"co2_fragments": 1, "co2_quant_block": 128, "co2_quant_rounding": "nearest"}
+# or bfloat16 wire, where the quantizer's knobs had no effect, read as their defaults; the sparse
+# wire's knobs, added with it, had no effect on any wire before it).
+ADDED_SETTINGS = {
+    "co2_fragments": 1,
+    "co2_quant_block": 128,
+    "co2_quant_rounding": "nearest",
+    "co2_sparse_density": 1 / 64,
+    "co2_sparse_bits": 2,
+}
 # load_state_dict resumes exactly; another number of workers goes through core/reshard.py
 ELSEWHERE = "; to resume on another number of workers, re-shard the state (co2_hf.core.reshard.load_resharded)"
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}
