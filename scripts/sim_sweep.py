@@ -121,6 +121,18 @@ CONFIGS.update(
         "co2_int4_b32": dict(co2_comm_dtype="int4", co2_quant_block=32),
     }
 )
+# CO2Config() with the sparse wire (core/sparse.py) in blocks of 256: co2_sparse_k{kept per block}_b{bits},
+# and "_m0" without outer momentum (SparseLoCo's choice)
+CONFIGS.update(
+    {
+        f"co2_sparse_k{keep}_b{bits}{suffix}": dict(
+            co2_comm_dtype="sparse", co2_quant_block=256, co2_sparse_density=keep / 256, co2_sparse_bits=bits, **knobs
+        )
+        for keep in (2, 4, 8)
+        for bits in (2, 4)
+        for suffix, knobs in (("", {}), ("_m0", dict(co2_outer_momentum=0.0)))
+    }
+)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..config import MAX_SPARSE_BLOCK, SPARSE_BITS
 from .collectives import Collectives, GroupCollectives
 
-BLOCK_MULTIPLE = 16  # blocks per vector: a multiple of 16, so every section of a row is 4-byte aligned
+BLOCK_MULTIPLE = 4  # blocks per vector: a multiple of 4, so that 2-bit codes fill whole bytes
 
 
 def payload_nbytes(numel: int, *, block: int, keep: int, bits: int) -> int:
@@ -147,9 +147,10 @@ def sparse_all_reduce_(
     sums = torch.zeros(cuts[3] // 4, dtype=torch.float32, device=x.device)
     for rank in range(world):  # in rank order: the same fp32 additions on every rank
         their_indices, their_codes, their_scales, their_tail = every[rank].split(cuts)
-        values = decode_values(their_codes, their_scales.view(torch.float32), keep=keep, bits=bits)
+        # a section may start at any byte: its fp32 values are read from an aligned copy
+        values = decode_values(their_codes, their_scales.clone().view(torch.float32), keep=keep, bits=bits)
         total.scatter_add_(1, their_indices.view(-1, keep).long(), values)
-        sums.add_(their_tail.view(torch.float32))
+        sums.add_(their_tail.clone().view(torch.float32))
     x.copy_(total.view(-1)[:n])
     if exact is not None:
         exact.copy_(sums.view_as(exact))
