@@ -230,3 +230,18 @@ def test_the_trainer_resumes_an_int8_wire_bit_for_bit_from_its_checkpoint(tmp_pa
         assert rank["stopped_at"] == STOP_AT
         for name, value in rank["full"].items():
             assert torch.equal(rank["final"][name], value), name
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_error_feedback_keeps_exactly_what_decoding_its_codes_leaves_out(bits, stochastic):
+    """`ErrorFeedback` multiplies its rounded values back by the scales instead of decoding the codes
+    (scripts/codec_cost.py): the residual must be the plain formula's, ``(x + r) - deQ(Q(x + r))``, bit for bit."""
+    feedback, how = ErrorFeedback(64 * 8), dict(bits=bits, block=64, stochastic=stochastic)
+    for t in range(3):
+        x = _x(numel=64 * 8, seed=t)
+        target = feedback.residual.clone() + x
+        codes, scales = feedback.compress(x, generator=torch.Generator().manual_seed(t), **how)
+        plain = quantize(target, generator=torch.Generator().manual_seed(t), **how)
+        assert torch.equal(codes, plain[0]) and torch.equal(scales, plain[1])
+        assert torch.equal(feedback.residual, target - dequantize(*plain, bits=bits, block=64))

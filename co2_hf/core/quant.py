@@ -40,26 +40,36 @@ def quantize(
 
     Returns ``(codes, scales)``: int8 codes (bits 8) or uint8 bytes of two 4-bit codes (bits 4),
     and one fp32 scale per block. An all-zero block has scale 0 and codes 0."""
+    codes, scales, _ = _quantize(x, bits=bits, block=block, stochastic=stochastic, generator=generator)
+    return codes, scales
+
+
+def _quantize(
+    x: Tensor, *, bits: int, block: int, stochastic: bool, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`quantize`, and the rounded values as fp32 blocks (``codes`` as numbers: what error feedback
+    multiplies back by the scales, with no decode of the codes)."""
     levels = _levels(bits)
     blocks = x.view(-1, block)
     # the largest magnitude per block: max(max, -min) is abs().amax() exactly, and ~10x faster on
     # the CPU (two reductions in place of an |x| the size of x)
-    scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()) / levels
+    scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(levels)
     safe = scales.clamp(min=torch.finfo(scales.dtype).tiny)  # an all-zero block: 0 / tiny = code 0
-    y = blocks / safe[:, None]
+    y = blocks / safe[:, None]  # the one full-size fp32 transient
     if stochastic:  # floor(y + u), u ~ U[0, 1): E[code] = y exactly
         noise = torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)
-        codes = y.add_(noise).floor_()
+        y.add_(noise).floor_()
     else:
-        codes = y.round_()
-    codes = codes.clamp_(-levels, levels).to(torch.int8).view(-1)
-    return (_pack4(codes) if bits == 4 else codes), scales
+        y.round_()
+    y.clamp_(-levels, levels)
+    codes = y.view(-1).to(torch.int8)
+    return (_pack4(codes) if bits == 4 else codes), scales, y
 
 
 def dequantize(codes: Tensor, scales: Tensor, *, bits: int, block: int) -> Tensor:
     """The fp32 values that ``codes`` and ``scales`` (from `quantize`) stand for."""
-    values = (_unpack4(codes) if bits == 4 else codes).view(-1, block).to(torch.float32)
-    return values.mul_(scales[:, None]).view(-1)
+    values = _unpack4_float(codes) if bits == 4 else codes.to(torch.float32)
+    return values.view(-1, block).mul_(scales[:, None]).view(-1)
 
 
 def coded_nbytes(numel: int, *, bits: int, block: int) -> int:
@@ -80,8 +90,10 @@ class ErrorFeedback:
         """Codes of ``x + r``; ``x`` may be shorter than the residual (the rest counts as zeros)."""
         target = self.residual
         target[: x.numel()].add_(x)  # x + r, in the residual's memory
-        codes, scales = quantize(target, **how)
-        target.sub_(dequantize(codes, scales, bits=how["bits"], block=how["block"]))
+        codes, scales, rounded = _quantize(target, **how)
+        # r <- (x + r) - codes * scales: the rounded values times their scales, in their own memory
+        # (the same fp32 products as decoding the codes, without decoding them)
+        target.view_as(rounded).sub_(rounded.mul_(scales[:, None]))
         return codes, scales
 
 
@@ -220,12 +232,15 @@ def _checked_bits(bits: int) -> int:
 
 
 def _pack4(codes: Tensor) -> Tensor:
-    """Two codes in [-7, 7] per byte: the first in the low nibble."""
-    nibbles = (codes + 8).to(torch.uint8).view(-1, 2)
-    return nibbles[:, 0] | (nibbles[:, 1] << 4)
+    """Two codes in [-7, 7] per byte: the first in the low nibble. ``codes`` (int8) is consumed."""
+    nibbles = codes.add_(8).view(torch.uint8).view(-1, 2)
+    packed = nibbles[:, 1] << 4
+    return packed.bitwise_or_(nibbles[:, 0])
 
 
-def _unpack4(packed: Tensor) -> Tensor:
-    low = (packed & 15).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([low, high], dim=1).view(-1)
+def _unpack4_float(packed: Tensor) -> Tensor:
+    """The codes of `_pack4`'s bytes as fp32 numbers, written straight into one fp32 tensor."""
+    values = torch.empty(packed.numel(), 2, dtype=torch.float32, device=packed.device)
+    values[:, 0] = packed & 15
+    values[:, 1] = packed >> 4
+    return values.sub_(8).view(-1)
