@@ -122,7 +122,9 @@ CONFIGS.update(
     }
 )
 # CO2Config() with the sparse wire (core/sparse.py) in blocks of 256: co2_sparse_k{kept per block}_b{bits},
-# and "_m0" without outer momentum (SparseLoCo's choice)
+# "_m0" without outer momentum (SparseLoCo's choice), "_anchor" with every round starting at the anchor
+# (the lookahead start predicts the anchor's move from the worker's own dense outer gradient, which
+# the sparse average does not follow)
 CONFIGS.update(
     {
         f"co2_sparse_k{keep}_b{bits}{suffix}": dict(
@@ -130,7 +132,12 @@ CONFIGS.update(
         )
         for keep in (2, 4, 8)
         for bits in (2, 4)
-        for suffix, knobs in (("", {}), ("_m0", dict(co2_outer_momentum=0.0)))
+        for suffix, knobs in (
+            ("", {}),
+            ("_m0", dict(co2_outer_momentum=0.0)),
+            ("_anchor", dict(co2_start_rule="anchor")),
+            ("_anchor_m0", dict(co2_start_rule="anchor", co2_outer_momentum=0.0)),
+        )
     }
 )
 

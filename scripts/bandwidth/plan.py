@@ -30,7 +30,7 @@ CO2_SETTINGS = {  # the README's table of methods
     "co2_node": dict(co2_overlap=True, co2_fragments=1),
 }
 METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", "co2_node")
-WIRES = ("float32", "bfloat16", "int8", "int4")  # co2_comm_dtype of the CO2-engine runs (--wires)
+WIRES = ("float32", "bfloat16", "int8", "int4", "sparse")  # co2_comm_dtype of the CO2-engine runs (--wires)
 QUANT_BLOCK = 128  # co2_quant_block: CO2Config's default
 
 
@@ -64,7 +64,15 @@ class Run:
 
 def wire_bytes_per_value(wire: str) -> float:
     """Bytes on the wire per outer-gradient value: the dtype's, or a code plus its share of the block's
-    fp32 scale (core/quant.py; the exact fp32 header of each all-reduce is left out)."""
+    fp32 scale (core/quant.py; the exact fp32 header of each all-reduce is left out); sparse: the
+    payload of CO2Config()'s sparse settings (core/sparse.py), which an all-gather between 2 ranks
+    sends once, as a ring all-reduce sends 2 (R-1)/R = 1 of a dense vector (more ranks: not comparable)."""
+    if wire == "sparse":
+        from co2_hf import CO2Config
+        from co2_hf.core.sparse import bytes_per_value
+
+        config = CO2Config(co2_comm_dtype="sparse")
+        return bytes_per_value(block=config.co2_quant_block, keep=config.sparse_keep, bits=config.co2_sparse_bits)
     return {"float32": 4.0, "bfloat16": 2.0, "int8": 1 + 4 / QUANT_BLOCK, "int4": 0.5 + 4 / QUANT_BLOCK}[wire]
 
 
