@@ -147,7 +147,7 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 5))
     for ax, steps in zip(axes, BUDGETS):
-        for label, name in FRONTIER:
+        for index, (label, name) in enumerate(FRONTIER):
             mine = runs.get((name, steps), {})
             if not mine:
                 continue
@@ -160,6 +160,7 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
                 yerr=[[mean - min(losses)], [max(losses) - mean]],
                 fmt=marker,
                 capsize=3,
+                color=plt.cm.tab20(index),  # one colour per method in both panels
                 label=f"{label} ({len(losses)} seeds)",
             )
         ax.set_xscale("log")
@@ -167,7 +168,7 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
         ax.set_ylabel("final validation loss")
         ax.set_title(f"{steps} steps, tau {TAU}, {WORKERS} workers (micro GPT-2)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[-1].legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
