@@ -22,9 +22,11 @@ modules once, so that many short runs stay cheap.
 each call, so tests can check *when* the engine launches and waits; a hook can alter the reduced
 buffer (e.g. to put ranks out of step); ``num_workers`` tells the engine it is one of several
 (for what the constructor sizes; nothing travels). `RecordingCommunicator` wraps a real communicator
-and keeps what this rank sent and what each all-reduce returned. `DelayedCommunicator` wraps a real
-communicator and makes each outer all-reduce complete no earlier than ``delay_s`` after its launch:
-a slow link simulated honestly (the compute that overlaps it is real).
+and keeps what this rank sent and what each all-reduce returned. `QuorumCommunicator` is one worker
+on a transport that reconfigures between rounds (torchft's), dropping the rounds it is told to.
+`DelayedCommunicator` wraps a real communicator and makes each outer all-reduce complete no earlier
+than ``delay_s`` after its launch: a slow link simulated honestly (the compute that overlaps it is
+real).
 
 `SimulatedNetwork` stands in for the process group of G workers in one process, one thread per
 worker: ``network.communicator(i)`` is worker i's `SimulatedCommunicator`, whose collectives are
@@ -86,6 +88,44 @@ class FakeCommunicator(LocalCommunicator):
             self.on_reduce(pending.tensor)
 
 
+class QuorumCommunicator(FakeCommunicator):
+    """A single worker on a transport that reconfigures between rounds, as torchft does
+    (``core/ft.py``): it records ``"quorum"`` (with how many all-reduces were in flight then, which
+    must be none), ``"launch"``, ``"wait"`` and ``"commit"`` events, and ``commit`` answers False
+    for the launches numbered in ``drop`` (0-based): those rounds are dropped, as when a
+    participant dies with the all-reduce in flight. ``on_quorum`` runs inside each quorum, where
+    torchft loads a live peer's state into a replica that is behind."""
+
+    reconfigures = True
+
+    def __init__(
+        self, *, drop: Iterable[int] = (), num_workers: int = 1, on_quorum: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(num_workers=num_workers)
+        self.drop, self.on_quorum, self._launched, self._in_flight = set(drop), on_quorum, [], 0
+
+    def start_quorum(self) -> None:
+        self.events.append(f"quorum:{self._in_flight}")
+        if self.on_quorum is not None:
+            self.on_quorum()
+
+    def launch(self, tensor: Tensor) -> Pending:
+        pending = super().launch(tensor)
+        pending.senders = self.num_workers
+        self._launched.append(pending)
+        self._in_flight += 1
+        return pending
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        super().wait(pending, timeout_s)
+        self._in_flight -= 1
+
+    def commit(self, pending: Pending) -> bool:
+        self.events.append("commit")
+        index = next(i for i, launched in enumerate(self._launched) if launched is pending)
+        return index not in self.drop
+
+
 class RecordingCommunicator(Communicator):
     """Wraps a communicator; keeps what this rank sent and what the all-reduce returned, per round
     (``sent``: the buffer at each launch; ``summed``: the raw sum at each wait, before the engine
@@ -125,6 +165,17 @@ class RecordingCommunicator(Communicator):
 
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         self.inner.worker_all_reduce_(tensor)
+
+    # a fault-tolerant transport's verbs (comm.py) reach the wrapped one too
+    @property
+    def reconfigures(self) -> bool:
+        return self.inner.reconfigures
+
+    def start_quorum(self) -> None:
+        self.inner.start_quorum()
+
+    def commit(self, pending: Pending) -> bool:
+        return self.inner.commit(pending)
 
 
 class DelayedCommunicator(Communicator):
@@ -169,6 +220,17 @@ class DelayedCommunicator(Communicator):
 
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         self.inner.worker_all_reduce_(tensor)
+
+    # a fault-tolerant transport's verbs (comm.py) reach the wrapped one too
+    @property
+    def reconfigures(self) -> bool:
+        return self.inner.reconfigures
+
+    def start_quorum(self) -> None:
+        self.inner.start_quorum()
+
+    def commit(self, pending: Pending) -> bool:
+        return self.inner.commit(pending)
 
 
 class SimulatedNetwork:

@@ -156,14 +156,45 @@ class CO2:
             return False
         p.round_step += 1
         due = self.plan.due(p.round_step)
+        if self.comm.reconfigures and any(event is Event.BOUNDARY for event, _ in due):
+            self._start_quorum()  # may load a live peer's state, and with it the peer's clock
+            due = self._due_now()
+        return self._run(due)
+
+    @torch.no_grad()
+    def rejoin(self) -> bool:
+        """Join the workers of a fault-tolerant transport (``ft.py``) on start-up: the first quorum,
+        which loads a live peer's state when the others have trained already, then what is due at
+        the step that state is at (the boundary the others are running). Returns whether a
+        boundary ran. With every worker starting together it only agrees on the starting state."""
+        if not self.comm.reconfigures:
+            raise RuntimeError("CO2.rejoin needs a fault-tolerant communicator (co2_hf.core.ft)")
+        self._start_quorum()
+        return self._run(self._due_now())
+
+    def _due_now(self) -> list:
+        """What is due at the step the clock says, after a quorum that may have loaded a peer's
+        state: the boundary that peer was running, or nothing if it was starting (round step 0)."""
+        p = self.progress
+        return self.plan.due(p.round_step) if p.warmup_done and p.round_step > 0 else []
+
+    def _run(self, due: list) -> bool:
+        """Run the events the plan says are due now; end the round after its last step."""
         for event, f in due:
             if event is Event.BOUNDARY:
                 self._boundary(self.fragments[f])
             else:
                 self.fragments[f].apply_in_round()
-        if p.round_step >= self.config.co2_local_steps:
+        if self.progress.round_step >= self.config.co2_local_steps:
             self._end_round()
         return any(event is Event.BOUNDARY for event, _ in due)
+
+    def _start_quorum(self) -> None:
+        """Receive every all-reduce in flight (the transport's group may change with the quorum),
+        then start the quorum of the round about to launch."""
+        for part in self.fragments:
+            part.receive()
+        self.comm.start_quorum()
 
     # ------------------------------------------------------------------ what the plan runs (fragment.py)
 

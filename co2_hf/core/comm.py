@@ -14,7 +14,12 @@ The engine needs these eight verbs (``docs/algorithm.md``, "Communication"), and
   sharded between them (identity when a worker is one process);
 - ``all_gather``: the chunks of the anchor held by the processes of one worker (identity for one);
 - ``worker_all_reduce_``: a blocking SUM over the processes of one worker (its gradients, every
-  step, when ``co2_worker_size > 1``).
+  step, when ``co2_worker_size > 1``);
+
+and two that only a transport whose workers may come and go implements (torchft, ``ft.py``; the
+others keep the defaults, a no-op and True): ``start_quorum`` before a boundary's launch (the
+round's participants; may load a live peer's state), ``commit`` after a wait (may the result be
+applied, or was the round dropped).
 
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
 main thread with ``async_op=True``. The one exception is ``launch_coded``: the quantized
@@ -70,6 +75,9 @@ class Pending:
     # set by the work's completion callback (a list, so the callback can append from any thread)
     completed_at: list[float] = field(default_factory=list)
     waited: bool = False
+    # how many workers take part in this all-reduce (None: every worker); a fault-tolerant
+    # transport's quorum may hold fewer (ft.py)
+    senders: int | None = None
     # CUDA tensors: (before launch, after completion) and (before wait, after wait), see the module docstring
     launch_events: tuple[Any, Any] | None = None
     wait_events: tuple[Any, Any] | None = None
@@ -132,6 +140,18 @@ class Communicator:
 
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         pass
+
+    # A transport whose group of workers may change between rounds (torchft: ``ft.py``) sets
+    # ``reconfigures``: CO2 then receives every all-reduce in flight before a boundary and calls
+    # ``start_quorum`` (which may load a live peer's state into this process) before launching;
+    # ``commit`` says whether a received all-reduce may be applied (False: the round is dropped).
+    reconfigures: bool = False
+
+    def start_quorum(self) -> None:
+        pass
+
+    def commit(self, pending: Pending) -> bool:
+        return True
 
 
 class LocalCommunicator(Communicator):

@@ -140,6 +140,12 @@ class Fragment:
         self._anchor_news = False
         self._release_if_idle()
 
+    def receive(self) -> None:
+        """Wait for the all-reduce in flight now, ahead of the boundary that would (a transport that
+        reconfigures its group between rounds needs nothing in flight then: ``CO2.step``). The wait
+        counts as this boundary's exposed time, as it would inside it."""
+        self._receive()
+
     def drain(self) -> None:
         """Complete the all-reduce in flight, if any, outside a boundary: the wait is not exposed
         communication of a round (recorded as 0)."""
@@ -276,12 +282,15 @@ class Fragment:
         waited = pending.wait_seconds(since=start)  # CUDA: the compute stream's stall (comm.py)
         self._last_comm_s = pending.comm_seconds()
         self._metrics["comm_s"].append(self._last_comm_s)
-        self.progress.have_d = self._read_mean()
+        # a fault-tolerant transport may drop the round (a participant died with it in flight):
+        # then nothing is applied and the anchor and the momentum stay as they were (core/ft.py)
+        self.progress.have_d = self._comm.commit(pending) and self._read_mean(pending.senders)
         return waited
 
-    def _read_mean(self) -> bool:
-        """Check the header; turn the sum into a mean over finite workers (False: none was)."""
-        count, max_wait = self._wire.unpack(self.progress.sent_round)
+    def _read_mean(self, senders: int | None) -> bool:
+        """Check the header; turn the sum into a mean over finite workers (False: none was).
+        ``senders``: how many workers took part (None: all of them)."""
+        count, max_wait = self._wire.unpack(self.progress.sent_round, senders=senders)
         self._metrics["comm_wait_s"].append(max_wait)
         p = self.progress
         if count < 0.5:  # no worker was finite: skip this outer update

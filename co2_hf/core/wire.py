@@ -62,12 +62,14 @@ class WireBuffer:
             self.wire.copy_(self.fp32)
         return self.wire
 
-    def unpack(self, sent_round: int) -> tuple[float, float]:
-        """After the all-reduce: check that every worker sent round ``sent_round``; return (how many
-        workers were finite, the longest wait any worker reported)."""
+    def unpack(self, sent_round: int, *, senders: int | None = None) -> tuple[float, float]:
+        """After the all-reduce: check that every worker that took part (``senders``; None: all
+        ``num_workers``) sent round ``sent_round``; return (how many workers were finite, the
+        longest wait any worker reported)."""
         if self.wire is not self.fp32:
             self.fp32.copy_(self.wire)
-        expected = ((sent_round >> torch.arange(ROUND_BITS)) & 1).to(self.round_bits) * self.num_workers
+        senders = self.num_workers if senders is None else senders
+        expected = ((sent_round >> torch.arange(ROUND_BITS)) & 1).to(self.round_bits) * senders
         if not torch.equal(self.round_bits, expected.to(self.round_bits.device)):
             raise RuntimeError(
                 f"CO2: ranks out of step at round {sent_round}: the outer all-reduce mixed "

@@ -1,0 +1,299 @@
+"""CO2 on torchft: a worker that dies mid-round never stops the others, and its replacement takes
+its state from a live peer, never from disk (``docs/algorithm.md``, "Surviving failures").
+
+Each CO2 worker is one torchft replica group (one process this version). Before a boundary
+launches, `TorchFTCommunicator` receives what is in flight and asks torchft's Manager for a quorum:
+the Lighthouse decides who takes part in this round, the Manager reconfigures its gloo/NCCL group
+over them, and a replica that is behind (a replacement, or a survivor that could not commit) loads
+a live peer's whole state first. The outer gradient is summed over the round's participants; the
+wire's header counts the finite ones, so the mean is over whoever sent. A round whose all-reduce
+fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied.
+
+Needs the ``ft`` extra (``pip install 'co2_hf[ft]'``, torchft); nothing else imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import CO2Config
+from .co2 import CO2
+from .comm import Communicator, Pending
+
+try:
+    from torchft.checkpointing.transport import CheckpointTransport
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("co2_hf.core.ft needs torchft: pip install 'co2_hf[ft]'") from error
+
+logger = logging.getLogger(__name__)
+
+# torchft's own environment variables (torchft/manager.py, torchft/torchx.py)
+LIGHTHOUSE_ENV, REPLICA_ENV, NUM_REPLICAS_ENV = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
+DIGEST_HEADER = "X-CO2-SHA256"
+
+
+class TorchFTCommunicator(Communicator):
+    """The outer all-reduce through a torchft Manager: a quorum before each boundary's launch, a
+    SUM over the round's participants, and ``commit`` = the Manager's ``should_commit``.
+
+    ``num_workers`` is the most replica groups the job runs (the header holds a slot for each);
+    ``worker_index`` this replica group's id, kept by its replacements."""
+
+    reconfigures = True
+
+    def __init__(self, manager: Manager, *, num_workers: int, worker_index: int) -> None:
+        self.manager = manager
+        self.num_workers, self.worker_index = num_workers, worker_index
+        self.dropped_rounds = 0  # all-reduces received but not committed (a participant failed)
+        self._warned_alone = self._warned_crowd = False
+
+    def broadcast_(self, tensors: list[Tensor]) -> None:
+        pass  # the first quorum (init_sync) gives every replica the primary's state instead
+
+    def start_quorum(self) -> None:
+        self.manager.start_quorum()
+        participants = self.manager.num_participants()
+        if participants > self.num_workers and not self._warned_crowd:
+            self._warned_crowd = True  # training goes on: the mean is over whoever sent
+            logger.warning(
+                "CO2: %d replica groups in the torchft quorum, more than %s=%d: a replica group "
+                "was started twice (two processes with one %s?) or %s is too small",
+                participants,
+                NUM_REPLICAS_ENV,
+                self.num_workers,
+                REPLICA_ENV,
+                NUM_REPLICAS_ENV,
+            )
+        if participants == 1 and not self._warned_alone:
+            self._warned_alone = True
+            logger.warning(
+                "CO2: replica %d is alone in its torchft quorum: it trains on by itself (its outer "
+                "gradient is its own) until other replicas join",
+                self.worker_index,
+            )
+
+    def launch(self, tensor: Tensor) -> Pending:
+        pending = Pending(tensor, senders=self.manager.num_participants())
+        work = self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM)
+        pending.work = work
+        work.get_future().then(lambda _: pending.completed_at.append(time.perf_counter()))
+        return pending
+
+    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
+        raise RuntimeError("CO2 internal error: coded wires are refused with torchft (TorchFT checks)")
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        pending.mark_waited()
+        pending.work.wait(timedelta(seconds=timeout_s))  # a failure is the Manager's to report
+
+    def commit(self, pending: Pending) -> bool:
+        committed = self.manager.should_commit()
+        self.dropped_rounds += not committed
+        return committed
+
+    def all_reduce_(self, tensor: Tensor) -> None:
+        raise RuntimeError("CO2 internal error: co2_sync_warmup_steps is refused with torchft (TorchFT checks)")
+
+
+class RecoveryTransport(CheckpointTransport):
+    """torchft's checkpoint transport for CO2's state, from a live peer to a replica that is behind.
+
+    torchft's own HTTPTransport serves live tensor references on every interface and unpickles
+    whatever it receives, objects included; this one snapshots the state into bytes when torchft asks it to
+    send (so training may go on), serves them on ``host`` only, at ``/co2/<step>`` only, with
+    their SHA-256, and loads what it receives with ``weights_only=True`` (tensors, numbers,
+    strings and containers: nothing that runs code)."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._staged: tuple[int, bytes, str] | None = None
+        self._ready = threading.Condition()
+        transport = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                staged = transport._wait_for(self.path)
+                if staged is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(staged[1])))
+                self.send_header(DIGEST_HEADER, staged[2])
+                self.end_headers()
+                self.wfile.write(staged[1])
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="co2_recovery", daemon=True).start()
+        self._address = f"http://{host}:{self._server.server_address[1]}/co2"
+
+    def metadata(self) -> str:
+        return self._address
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        data = buffer.getvalue()
+        with self._ready:
+            self._staged = (step, data, hashlib.sha256(data).hexdigest())
+            self._ready.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        with self._ready:
+            self._staged = None
+
+    def _wait_for(self, path: str) -> tuple[int, bytes, str] | None:
+        """The staged snapshot ``path`` asks for (``/co2/<step>``), once staged; None: none in time."""
+        prefix = "/co2/"
+        if not path.startswith(prefix) or not path[len(prefix) :].isdigit():
+            return None
+        step = int(path[len(prefix) :])
+        with self._ready:
+            self._ready.wait_for(
+                lambda: self._staged is not None and self._staged[0] == step, self._timeout.total_seconds()
+            )
+            staged = self._staged
+        return staged if staged is not None and staged[0] == step else None
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a peer, never a proxy
+        with opener.open(f"{metadata}/{step}", timeout=timeout.total_seconds()) as response:
+            data, digest = response.read(), response.headers.get(DIGEST_HEADER)
+        if digest != hashlib.sha256(data).hexdigest():
+            raise RuntimeError(f"CO2: the state received from {metadata} does not match its SHA-256")
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def check_config(config: CO2Config) -> None:
+    """Refuse the settings this version does not run on torchft, naming the flag (before anything starts)."""
+    if config.co2_worker_size != 1:
+        raise ValueError(f"co2_worker_size={config.co2_worker_size} with torchft: one process per replica group only")
+    if config.co2_comm_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"co2_comm_dtype={config.co2_comm_dtype!r} with torchft: allowed are 'float32' and 'bfloat16' "
+            "(a coded wire's residuals assume the same workers every round)"
+        )
+    if config.co2_sync_warmup_steps:
+        raise ValueError(f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} with torchft: allowed is 0")
+
+
+def job_interface(lighthouse: str) -> str:
+    """The address of this host's interface that reaches the Lighthouse: the one the job's
+    replicas share, where the store and the recovery transport listen."""
+    host = lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
+        return probe.getsockname()[0]
+
+
+class TorchFT:
+    """One replica group of a torchft job running CO2: ``TorchFT(config).start(model, optimizer)``.
+
+    The Lighthouse address, this replica group's id and the job's number of replica groups come
+    from torchft's environment variables unless given. ``timeout_s`` bounds a collective, a
+    commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
+    replica waits for a quorum (set it above a round's compute)."""
+
+    def __init__(
+        self,
+        config: CO2Config,
+        *,
+        lighthouse: str | None = None,
+        replica_id: int | None = None,
+        num_replicas: int | None = None,
+        timeout_s: float = 30.0,
+        quorum_timeout_s: float = 300.0,
+    ) -> None:
+        check_config(config)
+        self.config = config
+        self.lighthouse = lighthouse or _env(LIGHTHOUSE_ENV)
+        self.replica_id = int(replica_id if replica_id is not None else _env(REPLICA_ENV))
+        self.num_replicas = int(num_replicas if num_replicas is not None else _env(NUM_REPLICAS_ENV))
+        if not 0 <= self.replica_id < self.num_replicas:
+            raise ValueError(
+                f"{REPLICA_ENV}={self.replica_id}: allowed are 0 .. {NUM_REPLICAS_ENV}-1 = {self.num_replicas - 1}"
+            )
+        host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
+        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,  # a replica that is behind loads its state before the launch
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"co2_{self.replica_id}",
+            hostname=host,
+            checkpoint_transport=RecoveryTransport(host, timeout),
+            init_sync=True,
+        )
+        self.comm = TorchFTCommunicator(self.manager, num_workers=self.num_replicas, worker_index=self.replica_id)
+
+    def start(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] | None = None,
+    ) -> CO2:
+        """CO2 around ``model``, joined to the job: the model, the optimizer, CO2's state and the
+        ``state`` pairs (name: (load, save), e.g. the data position) travel to a replica that is
+        behind. Returns after the first quorum, with a live peer's state loaded if one was ahead."""
+        co2 = CO2(model, self.config, optimizer, communicator=self.comm)
+        self.manager.register_state_dict_fn("co2", lambda saved: _load_peer_state(co2, saved), co2.state_dict)
+        self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        if optimizer is not None:
+            self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict, optimizer.state_dict)
+        for name, (load, save) in (state or {}).items():
+            self.manager.register_state_dict_fn(name, load, save)
+        co2.rejoin()
+        return co2
+
+    @property
+    def committed_rounds(self) -> int:
+        """Rounds this replica's group committed (torchft's step; a replacement takes its peer's)."""
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _load_peer_state(co2: CO2, saved: dict[str, Any]) -> None:
+    """A peer's CO2 state is this replica's but for the worker index (a header slot)."""
+    co2.load_state_dict({**saved, "worker_index": co2.comm.worker_index})
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"CO2 on torchft needs {name} set (torchft's variable), or the matching TorchFT argument")
+    return value

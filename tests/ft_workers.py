@@ -1,0 +1,112 @@
+"""One torchft replica group running CO2 on a tiny regression task, for tests/test_ft.py.
+
+    python tests/ft_workers.py --out FILE --steps 40 --tau 4 [--fragments 1] [--sleep 0.05] [--die MODE:K]
+
+torchft's environment (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) says which replica
+group this is. One JSON line per boundary is appended to ``--out`` (a replacement appends to its
+predecessor's file): the process id, the inner step, torchft's committed step, the quorum's size,
+the rounds dropped so far and a digest of the anchor. ``--die MODE:K`` kills this process with
+SIGKILL at its K-th boundary: ``before`` its quorum, ``during`` an all-reduce (after the quorum,
+where the others launch theirs and this one never sends), ``after`` its commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from co2_hf import CO2Config
+from co2_hf.core.ft import TorchFT
+
+
+def anchor_digest(co2) -> str:
+    state = co2.anchor_state()
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(state[name].detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def die_at(ft: TorchFT, mode: str, boundary: int) -> None:
+    """Wrap the communicator's verbs so that this process kills itself at its ``boundary``-th one."""
+    comm, seen = ft.comm, {"quorum": 0}
+
+    def kill() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    start_quorum, launch, commit = comm.start_quorum, comm.launch, comm.commit
+
+    def quorum_then_maybe_die() -> None:
+        seen["quorum"] += 1
+        if mode == "before" and seen["quorum"] == boundary:
+            kill()
+        start_quorum()
+
+    def launch_or_die(tensor):
+        if mode == "during" and seen["quorum"] == boundary:
+            kill()
+        return launch(tensor)
+
+    def commit_then_maybe_die(pending) -> bool:
+        committed = commit(pending)
+        if mode == "after" and seen["quorum"] == boundary:  # the commit of the launch after quorum K
+            kill()
+        return committed
+
+    comm.start_quorum, comm.launch, comm.commit = quorum_then_maybe_die, launch_or_die, commit_then_maybe_die
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tau", type=int, default=4)
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--timeout_s", type=float, default=5.0)
+    parser.add_argument("--die", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    replica = int(os.environ["REPLICA_GROUP_ID"])
+    torch.manual_seed(replica)  # each replica its own init: the first quorum must make them agree
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = CO2Config(co2_local_steps=args.tau, co2_fragments=args.fragments)
+    ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60)
+    if args.die:
+        mode, boundary = args.die.split(":")
+        die_at(ft, mode, int(boundary))
+    co2 = ft.start(model, optimizer)
+    while co2.inner_steps < args.steps:
+        g = torch.Generator().manual_seed(co2.inner_steps * 10 + replica)  # the data follows the step
+        x = torch.randn(16, 8, generator=g)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if co2.step():
+            record = dict(
+                pid=os.getpid(),
+                step=co2.inner_steps,
+                committed=ft.committed_rounds,
+                participants=ft.manager.num_participants(),
+                dropped=ft.comm.dropped_rounds,
+                anchor=anchor_digest(co2),
+                time=time.time(),
+            )
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        time.sleep(args.sleep)
+    co2.finalize()
+    ft.shutdown()
+
+
+if __name__ == "__main__":
+    main()
