@@ -5,9 +5,10 @@
 torchft's environment (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) says which replica
 group this is. One JSON line per boundary is appended to ``--out`` (a replacement appends to its
 predecessor's file): the process id, the inner step, torchft's committed step, the quorum's size,
-the rounds dropped so far and a digest of the anchor. ``--die MODE:K`` kills this process with
-SIGKILL at its K-th boundary: ``before`` its quorum, ``during`` an all-reduce (after the quorum,
-where the others launch theirs and this one never sends), ``after`` its commit.
+the rounds dropped so far and a digest of the anchor. ``--die MODE:K`` kills the first process of
+the replica (its file does not exist yet) with SIGKILL at its K-th quorum: ``before`` it,
+``during`` an all-reduce (after the quorum, where the others launch theirs and this one never
+sends), ``after`` its commit.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     config = CO2Config(co2_local_steps=args.tau, co2_fragments=args.fragments)
     ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60)
-    if args.die:
+    if args.die and not os.path.exists(args.out):  # a replacement (its predecessor wrote) lives
         mode, boundary = args.die.split(":")
         die_at(ft, mode, int(boundary))
     co2 = ft.start(model, optimizer)

@@ -246,3 +246,29 @@ def test_the_recovery_transport_checks_the_digest_and_loads_no_objects():
     finally:
         peer.shutdown()
         replacement.shutdown()
+
+
+def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(tmp_path, monkeypatch):
+    for name in [k for k in os.environ if k.lower() in ("http_proxy", "https_proxy", "all_proxy")]:
+        monkeypatch.delenv(name)
+    out = tmp_path / "replica{replica}.jsonl"
+    # --die=during:{replica}0: replica 0 never dies (quorum 0 does not exist), 1 at its 10th, 2 at its
+    # 20th quorum, 40 steps (4 s or more) apart: replica 0 is a live peer for both replacements
+    worker = [
+        sys.executable,
+        str(WORKER),
+        f"--out={out}",
+        f"--steps={STEPS}",
+        "--sleep=0.1",
+        "--die=during:{replica}0",
+    ]
+    command = [sys.executable, str(ROOT / "scripts" / "ft_launch.py"), "--replicas=3", "--join_timeout_ms=1000", "--"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*command, *worker], env=env, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("restart 1") == 2, done.stdout  # replicas 1 and 2, once each
+    job = Job("", tmp_path, 3)
+    for replica, lives in ((0, 1), (1, 2), (2, 2)):
+        records = job.records(replica)
+        assert len({r["pid"] for r in records}) == lives and records[-1]["step"] == STEPS
+    assert _same_anchor_at_every_shared_step(job) >= 10

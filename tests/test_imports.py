@@ -81,9 +81,9 @@ def _third_party_imports(folder: Path) -> dict[str, str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "folder, extras",
-    # co2_hf/core/ft.py is the one module of the library that imports an extra's package (ft), and
-    # tests/test_ft.py the one test file (it skips without it)
-    [("co2_hf", ("ft",)), ("recipes", ("recipes",)), ("scripts", ("recipes",)), ("tests", ("test", "ft"))],
+    # the ft extra's torchft: imported by co2_hf/core/ft.py, scripts/ft_launch.py and tests/test_ft.py
+    # (which skips without it)
+    [("co2_hf", ("ft",)), ("recipes", ("recipes",)), ("scripts", ("recipes", "ft")), ("tests", ("test", "ft"))],
 )
 def test_every_import_is_declared_for_its_folder(folder, extras):
     providers = importlib.metadata.packages_distributions()  # module -> the installed distributions

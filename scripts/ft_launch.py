@@ -1,0 +1,76 @@
+"""Try CO2 on torchft on one machine: a Lighthouse and N replica groups of one command, each
+restarted when it dies (the supervisor), until every one has exited on its own.
+
+    python scripts/ft_launch.py --replicas 3 [--max_restarts 10] -- python tests/ft_workers.py --out r.jsonl
+
+Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS);
+``{replica}`` in the command becomes its id. Proxy variables are removed (torchft's clients talk to
+127.0.0.1). ``--join_timeout_ms`` must cover a round's compute (docs/algorithm.md section 19). Kill
+a replica (``kill -9 PID``; the pids are printed) to watch its replacement rejoin. Exit status: 0 if
+every replica's last process exited 0. If this launcher dies, the Lighthouse goes with it, and the
+replicas exit at their next quorum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--max_restarts", type=int, default=10, help="per replica")
+    parser.add_argument("--join_timeout_ms", type=int, default=10_000)
+    parser.add_argument("--heartbeat_timeout_ms", type=int, default=2_000)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the replica's command after --")
+    if args.replicas < 1:
+        parser.error(f"--replicas={args.replicas}: allowed is 1 or more")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    env.update(TORCHFT_LIGHTHOUSE=lighthouse.address(), NUM_REPLICA_GROUPS=str(args.replicas))
+
+    def start(replica: int) -> subprocess.Popen:
+        argv = [part.replace("{replica}", str(replica)) for part in command]
+        proc = subprocess.Popen(argv, env={**env, "REPLICA_GROUP_ID": str(replica)})
+        print(f"ft_launch: replica {replica} is pid {proc.pid}", flush=True)
+        return proc
+
+    procs = {replica: start(replica) for replica in range(args.replicas)}
+    restarts = dict.fromkeys(procs, 0)
+    try:
+        while True:
+            for replica, proc in procs.items():
+                code = proc.poll()
+                if code not in (None, 0) and restarts[replica] < args.max_restarts:
+                    restarts[replica] += 1
+                    print(f"ft_launch: replica {replica} exited with {code}; restart {restarts[replica]}", flush=True)
+                    procs[replica] = start(replica)
+            if all(p.poll() is not None for p in procs.values()):
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        lighthouse.shutdown()
+    return 0 if all(p.returncode == 0 for p in procs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
