@@ -11,6 +11,8 @@ is the whole contract between them; CO2 never reaches inside:
   shift), where the plan has a window or fragments;
 - ``finish()``: end of training, after the last boundary: wait, apply, start from the anchor;
 - ``drain()``: complete the all-reduce in flight outside a boundary (before a checkpoint);
+- ``receive()``: complete it ahead of a boundary, its wait counted as that boundary's (a transport
+  that reconfigures its group between rounds, torchft: ``core/ft.py``);
 - ``restart()``: start this round again from its start point (another fragment of this worker
   found a non-finite outer gradient);
 - read-only: ``pending`` / ``in_flight``, ``last_wait_s``, ``last_comm_s``, ``metrics``, ``wire``;
