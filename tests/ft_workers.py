@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout_s", type=float, default=5.0)
+    parser.add_argument("--start_timeout_s", type=float, default=60.0)
     parser.add_argument("--die", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -80,7 +81,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     config = CO2Config(co2_local_steps=args.tau, co2_fragments=args.fragments)
-    ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60)
+    ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60, start_timeout_s=args.start_timeout_s)
     if args.die and not os.path.exists(args.out):  # a replacement (its predecessor wrote) lives
         mode, boundary = args.die.split(":")
         die_at(ft, mode, int(boundary))

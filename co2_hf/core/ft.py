@@ -57,9 +57,13 @@ class TorchFTCommunicator(Communicator):
 
     reconfigures = True
 
-    def __init__(self, manager: Manager, *, num_workers: int, worker_index: int) -> None:
+    def __init__(
+        self, manager: Manager, *, num_workers: int, worker_index: int, start_timeout_s: float = 60.0
+    ) -> None:
         self.manager = manager
         self.num_workers, self.worker_index = num_workers, worker_index
+        self.start_timeout_s = start_timeout_s
+        self._started = False
         self.dropped_rounds = 0  # all-reduces received but not committed (a participant failed)
         self._warned_alone = self._warned_crowd = False
 
@@ -68,6 +72,9 @@ class TorchFTCommunicator(Communicator):
 
     def start_quorum(self) -> None:
         self.manager.start_quorum()
+        if not self._started:
+            self._started = True
+            self._wait_for_the_others()
         participants = self.manager.num_participants()
         if participants > self.num_workers and not self._warned_crowd:
             self._warned_crowd = True  # training goes on: the mean is over whoever sent
@@ -87,6 +94,27 @@ class TorchFTCommunicator(Communicator):
                 "gradient is its own) until other replicas join",
                 self.worker_index,
             )
+
+    def _wait_for_the_others(self) -> None:
+        """At a job's start (torchft step 0: nobody has committed), ask again until every replica
+        group is in the quorum, for up to ``start_timeout_s``. Otherwise the first to start would
+        train alone and the Lighthouse's fast quorum would keep it apart from the others: two
+        histories whose equal step counts torchft cannot tell apart. A replica joining a running
+        job has healed to the others' step by now and does not wait."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while self.manager.current_step() == 0 and self.manager.num_participants() < self.num_workers:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "CO2: %d of %s=%d replica groups joined within %.0f s of the start; training "
+                    "starts without the others (they rejoin from a live peer when they come)",
+                    self.manager.num_participants(),
+                    NUM_REPLICAS_ENV,
+                    self.num_workers,
+                    self.start_timeout_s,
+                )
+                return
+            time.sleep(0.2)
+            self.manager.start_quorum()
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor, senders=self.manager.num_participants())
@@ -215,7 +243,8 @@ class TorchFT:
     The Lighthouse address, this replica group's id and the job's number of replica groups come
     from torchft's environment variables unless given. ``timeout_s`` bounds a collective, a
     commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
-    replica waits for a quorum (set it above a round's compute)."""
+    replica waits for a quorum (set it above a round's compute); ``start_timeout_s`` how long the
+    replicas of a job that is starting wait for each other before training without the late ones."""
 
     def __init__(
         self,
@@ -226,6 +255,7 @@ class TorchFT:
         num_replicas: int | None = None,
         timeout_s: float = 30.0,
         quorum_timeout_s: float = 300.0,
+        start_timeout_s: float = 60.0,
     ) -> None:
         check_config(config)
         self.config = config
@@ -256,7 +286,9 @@ class TorchFT:
             checkpoint_transport=RecoveryTransport(host, timeout),
             init_sync=True,
         )
-        self.comm = TorchFTCommunicator(self.manager, num_workers=self.num_replicas, worker_index=self.replica_id)
+        self.comm = TorchFTCommunicator(
+            self.manager, num_workers=self.num_replicas, worker_index=self.replica_id, start_timeout_s=start_timeout_s
+        )
 
     def start(
         self,
