@@ -2,8 +2,9 @@
 all-reduce, frozen, or alone, with a real Lighthouse and real replica processes on loopback. The
 replacement of a killed replica takes a live peer's state (no file exists to read) and every
 replica's anchor is bit-identical at every step they share. Needs the ``ft`` extra; skipped without
-it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone, as .ci/run
-does). The engine's side of it with a fake transport: tests/test_quorum.py."""
+it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone). Not in
+.ci/run yet: two of its last three runs had a failing test, the last with replicas' anchors
+differing at the first steps, not yet diagnosed (issue 25's closing note). The engine's side of it with a fake transport: tests/test_quorum.py."""
 
 from __future__ import annotations
 
@@ -129,9 +130,11 @@ def test_a_killed_replica_s_replacement_rejoins_from_a_live_peer_and_the_others_
         assert len({r["pid"] for r in records}) == 1 and records[-1]["step"] == STEPS
     pids = list(dict.fromkeys(r["pid"] for r in job.records(1)))  # in order of appearance
     assert len(pids) == 2, job.logs()
+    first_life = [r for r in job.records(1) if r["pid"] == pids[0]]
     replacement = [r for r in job.records(1) if r["pid"] == pids[1]]
-    # its first boundary is the others' (a peer's state, not a fresh start) and it trains to the end
-    assert replacement[0]["step"] > 16 and replacement[-1]["step"] == STEPS, job.logs()
+    # it starts past where its predecessor died (a peer's state, not a fresh start at step 0), and
+    # trains to the end; its anchors equal the others' at every step (below)
+    assert replacement[0]["step"] > first_life[-1]["step"] and replacement[-1]["step"] == STEPS, job.logs()
     assert job.procs[1].returncode == 0, job.logs()
     assert max(r["participants"] for r in replacement) == 3  # it rejoined the others' quorum
     assert _same_anchor_at_every_shared_step(job) >= 10  # all three, after the rejoin
