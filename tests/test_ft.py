@@ -4,7 +4,8 @@ replacement of a killed replica takes a live peer's state (no file exists to rea
 replica's anchor is bit-identical at every step they share. Needs the ``ft`` extra; skipped without
 it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone). Not in
 .ci/run yet: two of its last three runs had a failing test, the last with replicas' anchors
-differing at the first steps, not yet diagnosed (issue 25's closing note). The engine's side of it with a fake transport: tests/test_quorum.py."""
+differing at the first steps, not yet diagnosed (issue 25's closing note). The engine's side of
+it with a fake transport: tests/test_quorum.py."""
 
 from __future__ import annotations
 
