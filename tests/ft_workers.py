@@ -75,7 +75,9 @@ def main() -> None:
     parser.add_argument("--start_timeout_s", type=float, default=60.0)
     parser.add_argument("--die", default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("CO2_FT_DEBUG"):  # torchft's quorum, heal and commit lines, for a failing test
+        logging.getLogger("torchft").setLevel(logging.INFO)
     replica = int(os.environ["REPLICA_GROUP_ID"])
     torch.manual_seed(replica)  # each replica its own init: the first quorum must make them agree
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))

@@ -2,10 +2,10 @@
 all-reduce, frozen, or alone, with a real Lighthouse and real replica processes on loopback. The
 replacement of a killed replica takes a live peer's state (no file exists to read) and every
 replica's anchor is bit-identical at every step they share. Needs the ``ft`` extra; skipped without
-it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone). Not in
-.ci/run yet: two of its last three runs had a failing test, the last with replicas' anchors
-differing at the first steps, not yet diagnosed (issue 25's closing note). The engine's side of
-it with a fake transport: tests/test_quorum.py."""
+it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone, as
+.ci/run does after the default run; ``CO2_FT_DEBUG=1`` adds torchft's quorum, heal and commit
+lines to each replica's log). The engine's side of it with a fake transport:
+tests/test_quorum.py."""
 
 from __future__ import annotations
 
@@ -251,6 +251,47 @@ def test_the_recovery_transport_checks_the_digest_and_loads_no_objects():
     finally:
         peer.shutdown()
         replacement.shutdown()
+
+
+def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
+    """torchft names a peer's snapshot by its step, which stays the same over many CO2 quorums
+    (at the start, while rounds are dropped): a peer healing in a new quorum must never get the
+    last quorum's snapshot (state of an earlier boundary), so it is withdrawn before asking."""
+    import urllib.error
+    from datetime import timedelta
+
+    import torch
+
+    from co2_hf.core.ft import RecoveryTransport, TorchFTCommunicator
+
+    peer, healer = (
+        RecoveryTransport("127.0.0.1", timedelta(seconds=1)),
+        RecoveryTransport("127.0.0.1", timedelta(seconds=5)),
+    )
+    served_when_asking = []
+
+    class Manager:  # the Manager's side a quorum touches, at torchft step 1 (no start-up wait)
+        def start_quorum(self) -> None:
+            try:
+                healer.recv_checkpoint(0, peer.metadata(), step=1, timeout=timedelta(seconds=5))
+                served_when_asking.append(True)
+            except urllib.error.HTTPError:
+                served_when_asking.append(False)
+
+        def current_step(self) -> int:
+            return 1
+
+        def num_participants(self) -> int:
+            return 2
+
+    try:
+        comm = TorchFTCommunicator(Manager(), peer, num_workers=2, worker_index=0)
+        peer.send_checkpoint([1], step=1, state_dict={"w": torch.zeros(2)}, timeout=timedelta(seconds=5))
+        comm.start_quorum()
+        assert served_when_asking == [False]
+    finally:
+        peer.shutdown()
+        healer.shutdown()
 
 
 def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(tmp_path, monkeypatch):

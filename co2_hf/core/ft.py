@@ -58,9 +58,15 @@ class TorchFTCommunicator(Communicator):
     reconfigures = True
 
     def __init__(
-        self, manager: Manager, *, num_workers: int, worker_index: int, start_timeout_s: float = 60.0
+        self,
+        manager: Manager,
+        transport: RecoveryTransport,
+        *,
+        num_workers: int,
+        worker_index: int,
+        start_timeout_s: float = 60.0,
     ) -> None:
-        self.manager = manager
+        self.manager, self.transport = manager, transport
         self.num_workers, self.worker_index = num_workers, worker_index
         self.start_timeout_s = start_timeout_s
         self._started = False
@@ -71,7 +77,7 @@ class TorchFTCommunicator(Communicator):
         pass  # the first quorum (init_sync) gives every replica the primary's state instead
 
     def start_quorum(self) -> None:
-        self.manager.start_quorum()
+        self._quorum()
         if not self._started:
             self._started = True
             self._wait_for_the_others()
@@ -114,7 +120,16 @@ class TorchFTCommunicator(Communicator):
                 )
                 return
             time.sleep(0.2)
-            self.manager.start_quorum()
+            self._quorum()
+
+    def _quorum(self) -> None:
+        """One torchft quorum. The snapshot staged for a peer in the last quorum is withdrawn first:
+        torchft names a snapshot by its step, which stays the same over many quorums with CO2 (at
+        the start, and while rounds are dropped), so a peer healing in this quorum could otherwise
+        load the state of an earlier boundary. It is withdrawn before this replica asks for the
+        quorum, so before any peer can learn of it."""
+        self.transport.disallow_checkpoint()
+        self.manager.start_quorum()
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor, senders=self.manager.num_participants())
@@ -267,6 +282,7 @@ class TorchFT:
                 f"{REPLICA_ENV}={self.replica_id}: allowed are 0 .. {NUM_REPLICAS_ENV}-1 = {self.num_replicas - 1}"
             )
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
+        transport = RecoveryTransport(host, timeout)
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -283,11 +299,15 @@ class TorchFT:
             lighthouse_addr=self.lighthouse,
             replica_id=f"co2_{self.replica_id}",
             hostname=host,
-            checkpoint_transport=RecoveryTransport(host, timeout),
+            checkpoint_transport=transport,
             init_sync=True,
         )
         self.comm = TorchFTCommunicator(
-            self.manager, num_workers=self.num_replicas, worker_index=self.replica_id, start_timeout_s=start_timeout_s
+            self.manager,
+            transport,
+            num_workers=self.num_replicas,
+            worker_index=self.replica_id,
+            start_timeout_s=start_timeout_s,
         )
 
     def start(
