@@ -126,111 +126,91 @@ class QuorumCommunicator(FakeCommunicator):
         return index not in self.drop
 
 
-class RecordingCommunicator(Communicator):
+class ForwardingCommunicator(Communicator):
+    """Wraps a communicator and forwards every verb to it (tests/test_engine_local.py checks that
+    none is left out): a wrapper derives from it and overrides only the verbs it changes."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.num_workers, self.worker_index = inner.num_workers, inner.worker_index
+        self.worker_size, self.shard_index = inner.worker_size, inner.shard_index
+
+    def broadcast_(self, tensors: list[Tensor]) -> None:
+        self.inner.broadcast_(tensors)
+
+    def launch(self, tensor: Tensor) -> Pending:
+        return self.inner.launch(tensor)
+
+    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
+        return self.inner.launch_coded(tensor, reduce_)
+
+    def wait(self, pending: Pending, timeout_s: float) -> None:
+        self.inner.wait(pending, timeout_s)
+
+    def all_reduce_(self, tensor: Tensor) -> None:
+        self.inner.all_reduce_(tensor)
+
+    def worker_ranks(self) -> list[int]:
+        return self.inner.worker_ranks()
+
+    def reduce_stats(self, partials: Tensor) -> Tensor:
+        return self.inner.reduce_stats(partials)
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return self.inner.all_gather(tensor)
+
+    def worker_all_reduce_(self, tensor: Tensor) -> None:
+        self.inner.worker_all_reduce_(tensor)
+
+    @property
+    def reconfigures(self) -> bool:
+        return self.inner.reconfigures
+
+    def start_quorum(self) -> None:
+        self.inner.start_quorum()
+
+    def commit(self, pending: Pending) -> bool:
+        return self.inner.commit(pending)
+
+
+class RecordingCommunicator(ForwardingCommunicator):
     """Wraps a communicator; keeps what this rank sent and what the all-reduce returned, per round
     (``sent``: the buffer at each launch; ``summed``: the raw sum at each wait, before the engine
     divides it)."""
 
     def __init__(self, inner: Communicator) -> None:
-        self.inner, self.sent, self.summed = inner, [], []
-        self.num_workers, self.worker_index = inner.num_workers, inner.worker_index
-        self.worker_size, self.shard_index = inner.worker_size, inner.shard_index
-
-    def broadcast_(self, tensors: list[Tensor]) -> None:
-        self.inner.broadcast_(tensors)
+        super().__init__(inner)
+        self.sent, self.summed = [], []
 
     def launch(self, tensor: Tensor) -> Pending:
         self.sent.append(tensor.clone())
-        return self.inner.launch(tensor)
+        return super().launch(tensor)
 
     def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
         self.sent.append(tensor.clone())
-        return self.inner.launch_coded(tensor, reduce_)
+        return super().launch_coded(tensor, reduce_)
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
-        self.inner.wait(pending, timeout_s)
+        super().wait(pending, timeout_s)
         self.summed.append(pending.tensor.clone())
 
-    def all_reduce_(self, tensor: Tensor) -> None:
-        self.inner.all_reduce_(tensor)
 
-    def worker_ranks(self) -> list[int]:
-        return self.inner.worker_ranks()
-
-    def reduce_stats(self, partials: Tensor) -> Tensor:
-        return self.inner.reduce_stats(partials)
-
-    def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        return self.inner.all_gather(tensor)
-
-    def worker_all_reduce_(self, tensor: Tensor) -> None:
-        self.inner.worker_all_reduce_(tensor)
-
-    # a fault-tolerant transport's verbs (comm.py) reach the wrapped one too
-    @property
-    def reconfigures(self) -> bool:
-        return self.inner.reconfigures
-
-    def start_quorum(self) -> None:
-        self.inner.start_quorum()
-
-    def commit(self, pending: Pending) -> bool:
-        return self.inner.commit(pending)
-
-
-class DelayedCommunicator(Communicator):
-    """Wraps a communicator; each outer all-reduce completes at least ``delay_s`` after launch. Every
-    verb is forwarded (tests/test_engine_local.py checks that none is left out). Inject it at
-    construction, ``CO2(model, config, communicator=DelayedCommunicator(inner, delay_s))``: the engine's
+class DelayedCommunicator(ForwardingCommunicator):
+    """Wraps a communicator; each outer all-reduce completes at least ``delay_s`` after launch (the
+    verbs inside a worker, ``co2_worker_size > 1``, are not delayed). Inject it at construction,
+    ``CO2(model, config, communicator=DelayedCommunicator(inner, delay_s))``: the engine's
     fragments keep the communicator they were built with."""
 
     def __init__(self, inner: Communicator, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
-        self.num_workers, self.worker_index = inner.num_workers, inner.worker_index
-        self.worker_size, self.shard_index = inner.worker_size, inner.shard_index
-
-    def broadcast_(self, tensors: list[Tensor]) -> None:
-        self.inner.broadcast_(tensors)
-
-    def launch(self, tensor: Tensor) -> Pending:
-        return self.inner.launch(tensor)
-
-    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
-        return self.inner.launch_coded(tensor, reduce_)
+        super().__init__(inner)
+        self.delay_s = delay_s
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
-        self.inner.wait(pending, timeout_s)
+        super().wait(pending, timeout_s)
         due = pending.launched_at + self.delay_s
         time.sleep(max(due - time.perf_counter(), 0.0))
         real = pending.completed_at[0] if pending.completed_at else time.perf_counter()
         pending.completed_at[:] = [max(real, due)]
-
-    def all_reduce_(self, tensor: Tensor) -> None:
-        self.inner.all_reduce_(tensor)
-
-    def reduce_stats(self, partials: Tensor) -> Tensor:
-        return self.inner.reduce_stats(partials)
-
-    # the verbs inside a worker (co2_worker_size > 1) are not delayed, but must reach the real group
-    def worker_ranks(self) -> list[int]:
-        return self.inner.worker_ranks()
-
-    def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        return self.inner.all_gather(tensor)
-
-    def worker_all_reduce_(self, tensor: Tensor) -> None:
-        self.inner.worker_all_reduce_(tensor)
-
-    # a fault-tolerant transport's verbs (comm.py) reach the wrapped one too
-    @property
-    def reconfigures(self) -> bool:
-        return self.inner.reconfigures
-
-    def start_quorum(self) -> None:
-        self.inner.start_quorum()
-
-    def commit(self, pending: Pending) -> bool:
-        return self.inner.commit(pending)
 
 
 class SimulatedNetwork:

@@ -306,15 +306,16 @@ def test_state_dict_inside_the_overlap_window_resumes_bit_for_bit(window):
 
 def test_the_communicator_is_fixed_at_construction_and_a_wrapper_forwards_every_verb():
     from co2_hf.core.comm import Communicator
-    from co2_hf.testing import DelayedCommunicator
+    from co2_hf.testing import DelayedCommunicator, ForwardingCommunicator, RecordingCommunicator
 
     _, _, co2 = _engine()
     with pytest.raises(AttributeError):
         co2.comm = FakeCommunicator()  # fragments keep theirs: inject through communicator= instead
     verbs = [name for name, value in vars(Communicator).items() if callable(value) and not name.startswith("_")]
     assert len(verbs) == 11  # the eight of the docstring, worker_ranks, start_quorum and commit
-    missing = [name for name in verbs if getattr(DelayedCommunicator, name) is getattr(Communicator, name)]
-    assert missing == []
+    for wrapper in (ForwardingCommunicator, RecordingCommunicator, DelayedCommunicator):
+        missing = [name for name in verbs if getattr(wrapper, name) is getattr(Communicator, name)]
+        assert missing == [], wrapper
     delayed = DelayedCommunicator(FakeCommunicator(), delay_s=0.05)
     model, optimizer, co2 = _engine(comm=delayed, co2_local_steps=1, co2_overlap=False)
     _train(model, co2, optimizer, 2)
