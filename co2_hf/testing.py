@@ -26,7 +26,8 @@ and keeps what this rank sent and what each all-reduce returned. `QuorumCommunic
 on a transport that reconfigures between rounds (torchft's), dropping the rounds it is told to.
 `DelayedCommunicator` wraps a real communicator and makes each outer all-reduce complete no earlier
 than ``delay_s`` after its launch: a slow link simulated honestly (the compute that overlaps it is
-real).
+real). Both derive from `ForwardingCommunicator`, which forwards every verb to the wrapped one:
+a new wrapper overrides only the verbs it changes.
 
 `SimulatedNetwork` stands in for the process group of G workers in one process, one thread per
 worker: ``network.communicator(i)`` is worker i's `SimulatedCommunicator`, whose collectives are
