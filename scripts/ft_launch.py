@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--max_restarts", type=int, default=10, help="per replica")
     parser.add_argument("--join_timeout_ms", type=int, default=10_000)
-    parser.add_argument("--heartbeat_timeout_ms", type=int, default=2_000)
+    parser.add_argument(
+        "--heartbeat_timeout_ms", type=int, default=1_000, help="how long a dead replica holds up the next quorum"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
