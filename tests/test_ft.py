@@ -1,5 +1,6 @@
 """CO2 on torchft (``co2_hf/core/ft.py``): replica groups killed before, during and after an outer
-all-reduce, frozen, or alone, with a real Lighthouse and real replica processes on loopback. The
+all-reduce, frozen, or alone, with a real Lighthouse and real replica processes on loopback, and
+CO2Trainer with ``co2_fault_tolerance='torchft'`` killed mid-round. The
 replacement of a killed replica takes a live peer's state (no file exists to read) and every
 replica's anchor is bit-identical at every step they share. Needs the ``ft`` extra; skipped without
 it (``pip install -e '.[ft]'``; ``python -m pytest -m torchft`` runs this group alone, as
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,24 +31,41 @@ WORKER = Path(__file__).with_name("ft_workers.py")
 ROOT = WORKER.parents[1]
 
 
-@pytest.fixture
-def lighthouse(monkeypatch):
+def _lighthouse(monkeypatch, join_timeout_ms: int):
     from torchft._torchft import LighthouseServer
 
     for name in [k for k in os.environ if k.lower() in ("http_proxy", "https_proxy", "all_proxy")]:
         monkeypatch.delenv(name)  # torchft's clients talk gRPC to 127.0.0.1: never through a proxy
     server = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=10, heartbeat_timeout_ms=1000
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=10,
+        heartbeat_timeout_ms=1000,
     )
     yield server.address()
     server.shutdown()
 
 
+@pytest.fixture
+def lighthouse(monkeypatch):
+    """For tests/ft_workers.py's rounds (0.2 s): a join timeout of 1 s covers one."""
+    yield from _lighthouse(monkeypatch, join_timeout_ms=1000)
+
+
+@pytest.fixture
+def trainer_lighthouse(monkeypatch):
+    """For the Trainer's rounds (1.2 s): a replacement must wait for the others' boundary, not form
+    a quorum without a survivor (which then falls behind and restarts)."""
+    yield from _lighthouse(monkeypatch, join_timeout_ms=5000)
+
+
 class Job:
     """Replica group processes of tests/ft_workers.py, each appending its records to its own file."""
 
-    def __init__(self, lighthouse: str, tmp_path: Path, replicas: int, **flags) -> None:
+    def __init__(self, lighthouse: str, tmp_path: Path, replicas: int, worker: Path = WORKER, **flags) -> None:
         self.lighthouse, self.tmp, self.replicas, self.flags = lighthouse, tmp_path, replicas, flags
+        self.worker = worker
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, replica: int, **extra) -> subprocess.Popen:
@@ -61,7 +80,7 @@ class Job:
         args = [f"--{k}={v}" for k, v in {**self.flags, **extra}.items()]
         log = open(self.tmp / f"log{replica}.txt", "a")
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), f"--out={self.out(replica)}", *args],
+            [sys.executable, str(self.worker), f"--out={self.out(replica)}", *args],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -208,6 +227,51 @@ def test_a_missing_torchft_variable_is_named(monkeypatch):
         TorchFT(CO2Config())
 
 
+@pytest.fixture
+def torchft_job(monkeypatch):
+    """torchft's variables for replica group 0 of 2 (no Lighthouse: nothing here reaches it)."""
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(co2_enabled=False), "needs co2_enabled=True"),
+        (dict(co2_comm_dtype="int8"), "co2_comm_dtype='int8' with torchft"),
+        (dict(co2_elastic=True), "co2_elastic=True with co2_fault_tolerance='torchft'"),
+        (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy='group_by_length' with"),
+        (
+            dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
+            "load_best_model_at_end=True with co2_fault_tolerance='torchft'",
+        ),
+    ],
+)
+def test_trainer_settings_this_version_does_not_run_on_torchft_are_refused_by_name(
+    torchft_job, tmp_path, overrides, message
+):
+    from co2_hf import CO2TrainingArguments
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft", **overrides)
+
+
+def test_a_replica_group_of_several_processes_or_a_resume_from_disk_is_refused(torchft_job, tmp_path, monkeypatch):
+    import torch
+
+    from co2_hf import CO2Trainer, CO2TrainingArguments
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2: one process per replica group"):
+        CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft")
+    monkeypatch.delenv("WORLD_SIZE")
+    args = CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft", report_to=[])
+    trainer = CO2Trainer(model=torch.nn.Linear(2, 1), args=args)
+    with pytest.raises(ValueError, match="resume_from_checkpoint with co2_fault_tolerance='torchft'"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, ("echo exploited",))
@@ -318,3 +382,56 @@ def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(t
         records = job.records(replica)
         assert len({r["pid"] for r in records}) == lives and records[-1]["step"] == STEPS
     assert _same_anchor_at_every_shared_step(job) >= 10
+
+
+TRAINER_WORKER = WORKER.with_name("ft_trainer_workers.py")
+
+
+def _expected_batches(replica: int, replicas: int, steps: int) -> dict[int, list[int]]:
+    """The indices replica group ``replica`` reads at each global step: its torchft shard, in the
+    order the Trainer's seed and each epoch give it."""
+    sys.path.insert(0, str(WORKER.parent))
+    from ft_trainer_workers import Indexed
+    from torchft.data import DistributedSampler
+
+    sampler = DistributedSampler(
+        Indexed(), replica_rank=replica, num_replica_groups=replicas, group_rank=0, num_replicas=1, seed=7
+    )
+    batches, epoch = [], 0
+    while len(batches) < steps:
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        batches += [order[i : i + 4] for i in range(0, len(order), 4)]
+        epoch += 1
+    return {step: batches[step - 1] for step in range(1, steps + 1)}
+
+
+def test_the_trainer_s_killed_replica_rejoins_at_its_peers_step_and_place_in_its_data(trainer_lighthouse, tmp_path):
+    """co2_fault_tolerance='torchft' in CO2Trainer: replica group 1 is SIGKILLed mid-round (step 6 of
+    rounds of 4, the round launched at step 4 in flight). The others never stop; its replacement
+    takes a live peer's model, optimizer, scheduler, CO2 and Trainer state, starts past step 6, reads
+    at every step exactly the batch of its own shard that step has (the one its predecessor would
+    have read), and ends with the others' anchor. Only replica group 0 writes the model."""
+    steps, replicas = 48, 3  # 0.3 s a step: about 12 s after the kill for a replacement to start
+    job = Job(trainer_lighthouse, tmp_path, replicas, worker=TRAINER_WORKER, steps=steps, tau=4)
+    for replica in range(replicas):
+        job.start(replica, **({"die_at": 6} if replica == 1 else {}))
+    try:
+        assert job.wait_all(200, restart=1) == 1, job.logs()
+    finally:
+        job.kill()
+    assert all(p.returncode == 0 for p in job.procs.values()), job.logs()
+    for replica in range(replicas):
+        records, expected = job.records(replica), _expected_batches(replica, replicas, steps)
+        pids = list(dict.fromkeys(r["pid"] for r in records))
+        assert len(pids) == (2 if replica == 1 else 1), (replica, pids)
+        assert records[-1]["step"] == steps
+        assert all(r["inner"] == r["step"] for r in records), f"replica {replica}: Trainer and CO2 steps differ"
+        wrong = [(r["step"], r["seen"], expected[r["step"]]) for r in records if r["seen"] != expected[r["step"]]]
+        assert not wrong, f"replica {replica} read other batches (step, read, its shard's): {wrong}"
+    replacement = [r for r in job.records(1) if r["pid"] != job.records(1)[0]["pid"]]
+    assert replacement[0]["step"] > 6, replacement[0]
+    assert "rejoined the job at step" in job.log(1)
+    assert _same_anchor_at_every_shared_step(job) >= steps - replacement[0]["step"]
+    assert (tmp_path / "out0" / "model.safetensors").exists()
+    assert not [path for r in (1, 2) for path in (tmp_path / f"out{r}").iterdir()]  # nothing written

@@ -240,6 +240,25 @@ def test_unsupported_settings_are_refused_before_training(tmp_path, overrides, m
 
 
 @pytest.mark.timeout(60)
+def test_an_unknown_fault_tolerance_is_refused_naming_the_allowed_values(tmp_path):
+    with pytest.raises(ValueError, match="co2_fault_tolerance='bogus': allowed are 'none', 'torchft'"):
+        make_args(str(tmp_path), co2_fault_tolerance="bogus")
+
+
+@pytest.mark.timeout(60)
+def test_torchft_without_its_extra_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    import co2_hf.core
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, "co2_hf.core.ft", raising=False)
+    monkeypatch.delattr(co2_hf.core, "ft", raising=False)
+    with pytest.raises(ValueError, match=r"needs torchft: pip install 'co2_hf\[ft\]'"):
+        make_args(str(tmp_path), co2_fault_tolerance="torchft")
+
+
+@pytest.mark.timeout(60)
 def test_hub_checkpoint_strategy_warns_and_flags_parse(tmp_path):
     from transformers import HfArgumentParser
 

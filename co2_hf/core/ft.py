@@ -274,13 +274,7 @@ class TorchFT:
     ) -> None:
         check_config(config)
         self.config = config
-        self.lighthouse = lighthouse or _env(LIGHTHOUSE_ENV)
-        self.replica_id = int(replica_id if replica_id is not None else _env(REPLICA_ENV))
-        self.num_replicas = int(num_replicas if num_replicas is not None else _env(NUM_REPLICAS_ENV))
-        if not 0 <= self.replica_id < self.num_replicas:
-            raise ValueError(
-                f"{REPLICA_ENV}={self.replica_id}: allowed are 0 .. {NUM_REPLICAS_ENV}-1 = {self.num_replicas - 1}"
-            )
+        self.lighthouse, self.replica_id, self.num_replicas = job_from_env(lighthouse, replica_id, num_replicas)
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
         transport = RecoveryTransport(host, timeout)
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -344,8 +338,30 @@ def _load_peer_state(co2: CO2, saved: dict[str, Any]) -> None:
     co2.load_state_dict({**saved, "worker_index": co2.comm.worker_index})
 
 
+def job_from_env(
+    lighthouse: str | None = None, replica_id: int | None = None, num_replicas: int | None = None
+) -> tuple[str, int, int]:
+    """The Lighthouse address, this replica group's id and the job's number of replica groups: the
+    arguments given, else torchft's environment variables; a missing or bad one is named."""
+    lighthouse = lighthouse or _env(LIGHTHOUSE_ENV)
+    replica_id = _int(REPLICA_ENV, replica_id if replica_id is not None else _env(REPLICA_ENV))
+    num_replicas = _int(NUM_REPLICAS_ENV, num_replicas if num_replicas is not None else _env(NUM_REPLICAS_ENV))
+    if not 0 <= replica_id < num_replicas:
+        raise ValueError(f"{REPLICA_ENV}={replica_id}: allowed are 0 .. {NUM_REPLICAS_ENV}-1 = {num_replicas - 1}")
+    return lighthouse, replica_id, num_replicas
+
+
+def _int(name: str, value: int | str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: allowed is an integer") from None
+
+
 def _env(name: str) -> str:
     value = os.environ.get(name)
     if not value:
-        raise ValueError(f"CO2 on torchft needs {name} set (torchft's variable), or the matching TorchFT argument")
+        raise ValueError(
+            f"CO2 on torchft needs the environment variable {name} (torchft's; scripts/ft_launch.py sets it)"
+        )
     return value

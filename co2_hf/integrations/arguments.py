@@ -34,6 +34,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.training_args import _convert_str_dict  # how TrainingArguments reads JSON flags
 
 from ..config import CO2Config
-from . import launch
+from . import fault_tolerance, launch
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,18 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         },
     )
 
+    # a Trainer setting too: how a worker's loss is survived, not what a round computes
+    co2_fault_tolerance: Literal["none", "torchft"] = field(
+        default="none",
+        kw_only=True,
+        metadata={
+            "help": "'torchft': each replica group (one process, its own launch) joins the torchft job that "
+            "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS name; a killed one's round is dropped by "
+            "the others, who never stop, and its replacement rejoins from a live peer (README, 'Surviving "
+            "failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank."
+        },
+    )
+
     # Set by __post_init__, not a flag: with --fsdp (FSDP2) and co2_worker_size = k > 1, what CO2Trainer
     # needs to shard the model over the k processes of each worker (the Trainer's own fsdp and
     # fsdp_config are cleared, as they would shard across workers)
@@ -90,9 +103,10 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         # CO2's own checks first: they need no device and no process group (TrainingArguments'
         # __post_init__ sets up the device, which creates the default group)
         self.validate_co2()
+        fault_tolerance.check_arguments(self)
         _use_cpu_without_accelerator(self)
         if self.co2_enabled:
-            workers = self.check_world(launch.launched_world_size())
+            workers = self.check_world(_workers_launched(self))
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
             dispatch = _dispatch_batches_given(self)
@@ -109,6 +123,15 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         _warn_changed_settings(
             self, ddp_timeout_followed=follows, token_average_off=off, workers=workers, dispatch=dispatch
         )
+
+
+def _workers_launched(args: CO2TrainingArguments) -> int:
+    """The processes CO2's workers span: this launch's, or on torchft every replica group's."""
+    if args.co2_fault_tolerance == "torchft":
+        from ..core.ft import job_from_env
+
+        return job_from_env()[2]
+    return launch.launched_world_size()
 
 
 def _warn_changed_settings(

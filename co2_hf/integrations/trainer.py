@@ -56,7 +56,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 from ..config import CO2Config
 from ..core import CO2
 from ..core.schedule import Plan
-from . import checkpoint, launch, model_card, publish
+from . import checkpoint, fault_tolerance, launch, model_card, publish
 from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
@@ -87,6 +87,8 @@ class CO2Trainer(Trainer):
         self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
         self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
         self._warned_local_gathers = False
+        torchft = self.co2_config is not None and getattr(self.args, "co2_fault_tolerance", "none") == "torchft"
+        self._replica = fault_tolerance.Replica(self) if torchft else None  # this replica group, on torchft
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
             self._count_optimizer_steps()
@@ -104,7 +106,8 @@ class CO2Trainer(Trainer):
         def on_optimizer_step(args, state, control):
             control = callbacks_then_co2(args, state, control)
             if self.co2 is not None:
-                self.co2.step(skipped=bool(self.accelerator.optimizer_step_was_skipped))
+                step = self.co2.step if self._replica is None else self._replica.step
+                step(skipped=bool(self.accelerator.optimizer_step_was_skipped))
             return control
 
         handler.on_optimizer_step = on_optimizer_step
@@ -131,11 +134,22 @@ class CO2Trainer(Trainer):
         finally:
             config.dispatch_batches = given
 
+    def _get_train_sampler(self, train_dataset=None):
+        """On torchft, this replica group's shard (every group would read the whole set otherwise)."""
+        if self._replica is None:
+            return super()._get_train_sampler(train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        shuffle = self.args.train_sampling_strategy != "sequential"
+        return self._replica.sampler(dataset, seed=seed, drop_last=self.args.dataloader_drop_last, shuffle=shuffle)
+
     # ------------------------------------------------------------------ training
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``Trainer.train``; a CO2 checkpoint is checked to be complete before any file is read."""
         if self.co2_config is not None and resume_from_checkpoint not in (None, False):
+            if self._replica is not None:
+                raise ValueError(fault_tolerance.NO_RESUME)
             if resume_from_checkpoint is True:  # the Trainer's own lookup; None: let it raise its error
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
             if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
@@ -187,10 +201,36 @@ class CO2Trainer(Trainer):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # would all-reduce at every step
             raise RuntimeError("CO2: the Trainer wrapped the model in DistributedDataParallel; please report this")
-        self.co2 = CO2(self.model, self.co2_config, optimizer=self._inner_optimizer())
+        if self._replica is not None:  # joined to the torchft job; a replacement takes a live peer's state
+            self.co2 = self._replica.start(self.model, self._inner_optimizer())
+        else:
+            self.co2 = CO2(self.model, self.co2_config, optimizer=self._inner_optimizer())
         if resume_from_checkpoint is not None:
             self._restore_co2(resume_from_checkpoint)
         return model, train_dataloader
+
+    def _run_epoch(self, **kwargs):
+        """A replacement on torchft skips the epochs and batches its peers trained before it rejoined,
+        as a resume from a checkpoint at that step would (the Trainer's own skipping)."""
+        replica = self._replica
+        if replica is None or replica.rejoined_at is None:
+            return super()._run_epoch(**kwargs)
+        epoch, skip = replica.epoch_position(
+            kwargs["num_update_steps_per_epoch"], self.args.gradient_accumulation_steps
+        )
+        if kwargs["epoch"] < epoch:
+            return None  # trained by the peers
+        replica.rejoined_at = None
+        kwargs.update(
+            epochs_trained=epoch, steps_trained_in_current_epoch=skip, resume_from_checkpoint=fault_tolerance.REJOINED
+        )
+        return super()._run_epoch(**kwargs)
+
+    def _load_rng_state(self, checkpoint):
+        """A replacement keeps its own seeded RNG: the one its predecessor had is gone with it (the data
+        order does not depend on it: the shard's sampler follows the seed and the epoch)."""
+        if checkpoint is not fault_tolerance.REJOINED:
+            super()._load_rng_state(checkpoint)
 
     def _prepare_without_ddp(self) -> None:
         """Let Accelerate place, autocast and compile the model, but not wrap it in DDP.
@@ -278,7 +318,10 @@ class CO2Trainer(Trainer):
         worker's last steps in the anchor first: the model it ends with is the one all workers share."""
         if self.co2 is not None:
             self.co2.finalize()  # every worker's last steps reach the anchor; live model == anchor
-        return super()._finalize_training(trial, num_train_samples, start_time)
+        output = super()._finalize_training(trial, num_train_samples, start_time)
+        if self._replica is not None:
+            self._replica.shutdown()  # leaves the torchft job: the next train() joins it again
+        return output
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the Trainer loads the best checkpoint's model (its anchor) into
@@ -329,10 +372,26 @@ class CO2Trainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model`` (``_save`` on the main process, Hub push on its own terms), and for
         a user's own call a model card with CO2's section."""
+        if self._replica is not None and not self._replica.saves:
+            return  # replica group 0 writes the model every group holds (warned at start)
         super().save_model(output_dir, _internal_call)
-        if self.co2_config is not None and not _internal_call and self.is_world_process_zero():
+        # a card describes a transformers model: a plain nn.Module has no config to fill one with
+        card = self.co2_config is not None and getattr(self.model, "config", None) is not None
+        if card and not _internal_call and self.is_world_process_zero():
             directory = output_dir if output_dir is not None else self.args.output_dir
             self._write_model_card(directory)
+
+    def is_world_process_zero(self) -> bool:
+        """On torchft the job's main process is replica group 0's: the one that saves, reports and
+        logs (each replica group is a launch of its own, and each would be its own process zero)."""
+        replica = getattr(self, "_replica", None)  # the Trainer's __init__ asks before ours has run
+        return super().is_world_process_zero() and (replica is None or replica.saves)
+
+    def push_to_hub(self, *args, **kwargs):
+        """The Trainer's push; on torchft only from replica group 0, which holds the saved model."""
+        if self._replica is not None and not self._replica.saves:
+            return None
+        return super().push_to_hub(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, published as ``checkpoint-N``
@@ -354,6 +413,8 @@ class CO2Trainer(Trainer):
         """
         if self.co2_config is None:
             return super()._save_checkpoint(model, trial)
+        if self._replica is not None and not self._replica.saves:
+            return None  # replica group 0 writes the checkpoints (warned at start)
         args = self.args
         run_dir = self._get_output_dir(trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name

@@ -1,0 +1,194 @@
+"""CO2Trainer on torchft: ``--co2_fault_tolerance torchft`` (docs/algorithm.md section 19).
+
+Each replica group is its own launch of one process (``REPLICA_GROUP_ID=i python train.py ...``
+beside a Lighthouse that ``TORCHFT_LIGHTHOUSE`` names; ``scripts/ft_launch.py`` starts both on one
+machine). The Trainer's engine is then built by `co2_hf.core.ft.TorchFT`, and the Trainer's own
+state travels with CO2's to a replica that is behind:
+
+- a replacement (a process that starts while the others train) takes a live peer's model,
+  optimizer, scheduler, CO2 state and ``TrainerState`` at its first quorum, before its first step;
+  it then skips to the peer's place in its own data shard, exactly as a resume from a checkpoint
+  does (`Rejoin`), and reads nothing from disk;
+- each replica group reads its own shard of the training set (torchft's ``DistributedSampler``
+  over ``NUM_REPLICA_GROUPS`` shards), so a replacement reads what its predecessor would have;
+- replica group 0 alone writes checkpoints, models and reports (it is the Trainer's world process
+  zero; every group holds the same model).
+
+A survivor healed at a boundary keeps its place (its peers are at its step); one whose Trainer step
+differs from the peer's cannot jump in its data mid-epoch, so it stops with an error and rejoins
+when its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from transformers.trainer_callback import TrainerState
+
+from ..core import CO2
+from . import launch
+
+logger = logging.getLogger(__name__)
+
+FAULT_TOLERANCE = ("none", "torchft")
+SAMPLING = ("random", "sequential")  # the train_sampling_strategy values a shard can follow
+NO_RESUME = (
+    "resume_from_checkpoint with co2_fault_tolerance='torchft': not in this version (a replica group that "
+    "starts takes a live peer's state instead; a checkpoint that replica group 0 wrote resumes without torchft)"
+)
+REJOINED = "<a live peer>"  # `resume_from_checkpoint` while the Trainer skips to a peer's data position
+
+
+def check_arguments(args) -> None:
+    """``--co2_fault_tolerance``'s value and what it needs, before any process group starts."""
+    value = args.co2_fault_tolerance
+    if value not in FAULT_TOLERANCE:
+        raise ValueError(f"co2_fault_tolerance={value!r}: allowed are {', '.join(map(repr, FAULT_TOLERANCE))}")
+    if value == "none":
+        return
+    flag = "co2_fault_tolerance='torchft'"
+    if not args.co2_enabled:
+        raise ValueError(f"{flag} needs co2_enabled=True")
+    try:
+        from ..core import ft
+    except ImportError as error:
+        raise ValueError(f"{flag} needs torchft: pip install 'co2_hf[ft]'") from error
+    ft.check_config(args)
+    ft.job_from_env()
+    if launch.launched_world_size() != 1:
+        raise ValueError(
+            f"{flag} with WORLD_SIZE={launch.launched_world_size()}: one process per replica group in this "
+            "version. Start each replica group as its own launch of one process (REPLICA_GROUP_ID=i), "
+            "e.g. with scripts/ft_launch.py"
+        )
+    if args.load_best_model_at_end:
+        raise ValueError(
+            f"load_best_model_at_end=True with {flag}: allowed is False (only replica group 0 writes "
+            "checkpoints, so the others could not load the best one)"
+        )
+    if args.train_sampling_strategy not in SAMPLING:
+        raise ValueError(
+            f"train_sampling_strategy={args.train_sampling_strategy!r} with {flag}: allowed are "
+            f"{', '.join(map(repr, SAMPLING))} (each replica group reads its shard of torchft's DistributedSampler)"
+        )
+    if getattr(args, "resume_from_checkpoint", None):
+        raise ValueError(NO_RESUME)
+    if getattr(args, "co2_elastic", False):
+        raise ValueError(f"co2_elastic=True with {flag}: allowed is False (torchft replaces a lost worker live)")
+
+
+class Replica:
+    """One replica group's Trainer on torchft: builds CO2 through `TorchFT`, lends and takes the
+    Trainer's state, and says where a replacement resumes in its data."""
+
+    def __init__(self, trainer) -> None:
+        from ..core import ft
+
+        self.trainer = trainer
+        _, self.replica_id, self.num_replicas = ft.job_from_env()
+        self.ft: ft.TorchFT | None = None
+        self.rejoined_at: int | None = None  # the peer's global step a replacement started at
+        self.fell_behind: int | None = None  # a peer's step that differs from ours, mid-training
+        self._training = False
+        self._in_step = False  # inside the Trainer's optimizer step, which it counts only after CO2's
+        if not self.saves:
+            logger.warning(
+                "CO2: replica group %d writes no checkpoints, models or reports: every replica group holds the "
+                "same model, and replica group 0 is the job's main process (co2_fault_tolerance='torchft')",
+                self.replica_id,
+            )
+
+    @property
+    def saves(self) -> bool:
+        return self.replica_id == 0
+
+    def sampler(self, dataset, *, seed: int, drop_last: bool, shuffle: bool):
+        """This replica group's shard of the training set, the same one across its replacements."""
+        from torchft.data import DistributedSampler
+        from transformers.trainer_utils import has_length
+
+        if not has_length(dataset):
+            raise ValueError(
+                "co2_fault_tolerance='torchft' needs a training set with a length (map-style): each replica "
+                "group reads its shard through torchft's DistributedSampler, and an iterable dataset has none"
+            )
+        return DistributedSampler(
+            dataset,
+            replica_rank=self.replica_id,
+            num_replica_groups=self.num_replicas,
+            group_rank=0,
+            num_replicas=1,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+
+    def start(self, model, optimizer) -> CO2:
+        """CO2 joined to the job; a replacement returns with a live peer's state loaded."""
+        from ..core.ft import TorchFT
+
+        trainer, before = self.trainer, self.trainer.state.global_step
+        self.ft = TorchFT(trainer.co2_config, timeout_s=trainer.args.co2_timeout_s)
+        scheduler = trainer.lr_scheduler
+        state = {"trainer": (self._take_trainer_state, self._trainer_state)}
+        if scheduler is not None:
+            state["scheduler"] = (scheduler.load_state_dict, scheduler.state_dict)
+        co2 = self.ft.start(model, optimizer, state=state)
+        if trainer.state.global_step != before:
+            self.rejoined_at = trainer.state.global_step
+            logger.warning(
+                "CO2: replica group %d rejoined the job at step %d with a live peer's state; it skips to that "
+                "step's place in its data shard",
+                self.replica_id,
+                self.rejoined_at,
+            )
+        self._training = True
+        return co2
+
+    def step(self, **kwargs) -> None:
+        """``CO2.step`` from the Trainer's optimizer step; then, a heal that moved this replica's
+        Trainer step cannot go on in place."""
+        self._in_step = True
+        try:
+            self.trainer.co2.step(**kwargs)
+        finally:
+            self._in_step = False
+        if self.fell_behind is not None:
+            raise RuntimeError(
+                f"CO2: replica group {self.replica_id} fell behind its peers (its Trainer at step "
+                f"{self.trainer.state.global_step + 1}, theirs at {self.fell_behind}: a quorum formed without it, "
+                "is the Lighthouse's join_timeout_ms shorter than a round?) and took their state; its data loader "
+                "cannot jump there mid-epoch, so it stops: restarted by its supervisor, it rejoins from a live peer"
+            )
+
+    def _steps_done(self) -> int:
+        """The Trainer's steps, the one it is in counted: a quorum runs inside an optimizer step
+        (``CO2.step``) or outside any (the first and the last), and the Trainer counts a step after it."""
+        return self.trainer.state.global_step + self._in_step
+
+    def _trainer_state(self) -> str:
+        return json.dumps({**dataclasses.asdict(self.trainer.state), "global_step": self._steps_done()})
+
+    def _take_trainer_state(self, saved: str) -> None:
+        trainer, peer = self.trainer, TrainerState(**json.loads(saved))
+        if self._training:  # a survivor healed at a boundary: its peers' step is its own, or it must stop
+            if peer.global_step != self._steps_done():
+                self.fell_behind = peer.global_step
+            return
+        own = trainer.state
+        peer.is_local_process_zero, peer.is_world_process_zero = own.is_local_process_zero, own.is_world_process_zero
+        trainer.state = peer
+        trainer._load_callback_state()  # stateful callbacks (early stopping, ...) as the peer has them
+
+    def epoch_position(self, num_update_steps_per_epoch: int, gradient_accumulation_steps: int) -> tuple[int, int]:
+        """A replacement's (epoch, batches into it) at the step it rejoined at, as a resume computes it."""
+        step = self.rejoined_at
+        return step // num_update_steps_per_epoch, step % num_update_steps_per_epoch * gradient_accumulation_steps
+
+    def shutdown(self) -> None:
+        self._training = False
+        if self.ft is not None:
+            self.ft.shutdown()
+            self.ft = None
