@@ -14,6 +14,10 @@ committed ``--kill_every`` rounds and each next ``--kill_every`` rounds after th
 replacement's first commit, always half a round after the victim's last boundary (an all-reduce
 in flight), and restarts it at once (a supervisor loop, as ``torchrun --max-restarts`` does).
 
+``--spares``: the supervisor keeps a warm spare per replica in fault runs (a process that has done its
+imports and built its model, waiting to be told to join), starts it in place of a killed replica and
+starts the next spare behind it, instead of a new process: what a job with standby nodes does.
+
 A step takes at least ``--step_s`` seconds (compute, then a sleep): on a shared 2-core machine this
 stands in for a GPU's step, so that rounds last what they would and restarts are not free.
 
@@ -82,11 +86,17 @@ def replica(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["REPLICA_GROUP_ID"])
-    record = Recorder(a.out)
     task = make_task("micro", a.steps, a.seed)
     model = task.build_model(rank)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
+    if a.spare:  # warm: imports done and model built, not yet in the job; the supervisor says when
+        import torchft.local_sgd  # noqa: F401 - what joining needs, imported while waiting
+
+        import co2_hf.core.ft  # noqa: F401
+
+        sys.stdin.readline()
+    record = Recorder(a.out)
     record("built")
     run = _run_co2 if a.method == "co2" else _run_diloco
     final = run(a, rank, task, model, optimizer, scheduler, record)
@@ -206,10 +216,10 @@ def _records(path: Path) -> list[dict]:
 class Job:
     """A Lighthouse and one process per replica, restarted when it dies (the supervisor)."""
 
-    def __init__(self, a: argparse.Namespace, folder: Path) -> None:
+    def __init__(self, a: argparse.Namespace, folder: Path, spares: bool = False) -> None:
         from torchft._torchft import LighthouseServer
 
-        self.a, self.folder = a, folder
+        self.a, self.folder, self.use_spares = a, folder, spares
         self.lighthouse = LighthouseServer(
             bind="127.0.0.1:0",
             min_replicas=1,
@@ -224,19 +234,34 @@ class Job:
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}  # pid -> its start, as the supervisor saw it
         self.killed: list[int] = []
+        self.spares: dict[int, subprocess.Popen] = {}  # with --spares: a warm process per replica
         self.unexpected: list[dict] = []
 
     def path(self, rank: int) -> Path:
         return self.folder / f"replica{rank}.jsonl"
 
     def start(self, rank: int) -> None:
+        """Start replica ``rank``: its warm spare if it has one (then a new spare behind it)."""
+        spare = self.spares.pop(rank, None)
+        if spare is None:
+            proc = self._spawn(rank)
+        else:
+            proc = spare
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+        self.procs[rank], self.started[proc.pid] = proc, time.time()
+        if self.use_spares:
+            self.spares[rank] = self._spawn(rank, spare=True)
+
+    def _spawn(self, rank: int, spare: bool = False) -> subprocess.Popen:
         a = self.a
         argv = [sys.executable, __file__, "--replica", "--method", a.method, "--out", str(self.path(rank))]
         argv += ["--steps", str(a.steps), "--tau", str(a.tau), "--step_s", str(a.step_s), "--seed", str(a.seed)]
         argv += ["--timeout_s", str(a.timeout_s)] + (["--fragments", str(a.fragments)] if a.fragments else [])
         log = open(self.folder / f"replica{rank}.log", "a")
-        proc = subprocess.Popen(argv, env={**self.env, "REPLICA_GROUP_ID": str(rank)}, stdout=log, stderr=log)
-        self.procs[rank], self.started[proc.pid] = proc, time.time()
+        env = {**self.env, "REPLICA_GROUP_ID": str(rank)}
+        stdin = subprocess.PIPE if spare else subprocess.DEVNULL
+        return subprocess.Popen(argv + ["--spare"] * spare, env=env, stdin=stdin, stdout=log, stderr=log)
 
     def kill(self, rank: int) -> None:
         proc = self.procs[rank]
@@ -260,7 +285,7 @@ class Job:
         return {rank: _records(self.path(rank)) for rank in self.procs}
 
     def stop(self) -> None:
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *self.spares.values()]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -276,11 +301,11 @@ def _rounds(records: dict[int, list[dict]]) -> int:
     return max((r["rounds"] for rs in records.values() for r in rs if r["event"] == "commit"), default=0)
 
 
-def run_job(a: argparse.Namespace, folder: Path, kills: int) -> dict:
+def run_job(a: argparse.Namespace, folder: Path, kills: int, spares: bool = False) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("replica*"):
         old.unlink()  # this script's own files from an earlier run
-    job = Job(a, folder)
+    job = Job(a, folder, spares)
     for rank in range(a.replicas):
         job.start(rank)
     deadline, plan = time.time() + a.run_timeout_s, []
@@ -384,6 +409,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)  # one replica's process
     parser.add_argument("--method", default="co2", choices=["co2", "diloco"], help=argparse.SUPPRESS)
+    parser.add_argument("--spare", action="store_true", help=argparse.SUPPRESS)  # a replica's warm spare
     parser.add_argument("--methods", nargs="+", default=["co2", "diloco"], choices=["co2", "diloco"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=3)
@@ -392,6 +418,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=240, help="inner steps a replica trains")
     parser.add_argument("--step_s", type=float, default=0.25, help="the least time a step takes")
     parser.add_argument("--kills", type=int, default=4)
+    parser.add_argument(
+        "--spares",
+        action="store_true",
+        help="in fault runs, keep a warm spare per replica (imports done, model built) that the supervisor "
+        "starts in place of a killed one, instead of a new process",
+    )
     parser.add_argument("--kill_every", type=int, default=3, help="rounds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout_s", type=float, default=10.0, help="a collective's, commit's, recovery's")
@@ -412,7 +444,7 @@ def main() -> None:
         for method in a.methods:
             a.method, a.seed = method, run
             nofault = run_job(a, out / f"{method}_run{run}_nofault", kills=0)
-            fault = run_job(a, out / f"{method}_run{run}_fault", kills=a.kills)
+            fault = run_job(a, out / f"{method}_run{run}_fault", kills=a.kills, spares=a.spares)
             line = dict(run=run, method=method, nofault=nofault, fault=fault, **compare(nofault, fault))
             print(json.dumps(line), flush=True)
             results.append(line)

@@ -85,8 +85,9 @@ class TorchFTCommunicator(Communicator):
         if participants > self.num_workers and not self._warned_crowd:
             self._warned_crowd = True  # training goes on: the mean is over whoever sent
             logger.warning(
-                "CO2: %d replica groups in the torchft quorum, more than %s=%d: a replica group "
-                "was started twice (two processes with one %s?) or %s is too small",
+                "CO2: %d replica groups in the torchft quorum, more than %s=%d: a killed replica group's "
+                "replacement joined before the Lighthouse dropped it, a group was started twice (two "
+                "processes with one %s?), or %s is too small",
                 participants,
                 NUM_REPLICAS_ENV,
                 self.num_workers,
