@@ -155,7 +155,7 @@ class CO2:
                 p.warmup_done = True
             return False
         p.round_step += 1
-        due = self.plan.due(p.round_step)
+        due = self._due_now()
         if self.comm.reconfigures and any(event is Event.BOUNDARY for event, _ in due):
             self._start_quorum()  # may load a live peer's state, and with it the peer's clock
             due = self._due_now()
