@@ -233,7 +233,6 @@ class Job:
         )
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}  # pid -> its start, as the supervisor saw it
-        self.killed: list[int] = []
         self.spares: dict[int, subprocess.Popen] = {}  # with --spares: a warm process per replica
         self.unexpected: list[dict] = []
 
@@ -267,7 +266,6 @@ class Job:
         proc = self.procs[rank]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        self.killed.append(proc.pid)
         self.start(rank)
 
     def poll(self) -> bool:
@@ -338,7 +336,7 @@ def _maybe_kill(job: Job, plan: list[dict]) -> None:
     if time.time() < starts[-1]["time"] + half_round:
         return
     job.kill(victim)
-    plan.append(dict(replica=victim, pid=pid, new_pid=job.procs[victim].pid, rounds=_rounds(records)))
+    plan.append(dict(replica=victim, new_pid=job.procs[victim].pid, rounds=_rounds(records)))
 
 
 def _committed(records: list[dict], pid: int) -> bool:

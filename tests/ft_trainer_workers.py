@@ -13,7 +13,6 @@ into ``out<replica>`` beside ``--out`` (replica group 0 alone writes it).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import signal
 import time
 
 import torch
+from ft_workers import anchor_digest  # the same digest the engine's test records
 from torch import nn
 from transformers import TrainerCallback
 
@@ -61,16 +61,12 @@ class Record(TrainerCallback):
         self.trainer, self.out, self.die_at, self.step_s = trainer, out, die_at, step_s
 
     def on_step_end(self, args, state, control, **kwargs):
-        anchor = self.trainer.co2.anchor_state()
-        digest = hashlib.sha256()
-        for name in sorted(anchor):
-            digest.update(anchor[name].detach().contiguous().numpy().tobytes())
         line = dict(
             inner=self.trainer.co2.inner_steps,
             pid=os.getpid(),
             step=state.global_step,
             seen=self.trainer.model.seen,
-            anchor=digest.hexdigest()[:16],
+            anchor=anchor_digest(self.trainer.co2),
         )
         with open(self.out, "a") as f:
             f.write(json.dumps(line) + "\n")
