@@ -5,7 +5,7 @@
 A Lighthouse and 3 replica groups of one process each run on loopback. Each replica trains the
 micro GPT of scripts/sim_sweep.py (the GPT recipe's Shakespeare corpus, 2 plays held out) with
 AdamW, tau 12, its batches following its replica id and its step. ``co2`` is CO2 through
-`co2_hf.core.ft.TorchFT` (CO2Config's defaults but tau and ``--fragments``); ``diloco`` is
+`co2_hf.core.ft.TorchFT` (CO2Config's defaults but tau, ``--fragments`` and ``--comm_dtype``); ``diloco`` is
 torchft's own `DiLoCo` (outer SGD lr 0.7, Nesterov 0.9, the DiLoCo paper's), on the same
 Lighthouse settings and the same recovery transport. For each method and run, a no-fault run and
 a fault run are made one after the other with the same seed. In the fault run the supervisor
@@ -116,7 +116,7 @@ def _run_co2(a, rank, task, model, optimizer, scheduler, record):
     from co2_hf import CO2Config
     from co2_hf.core.ft import TorchFT
 
-    config = CO2Config(co2_local_steps=a.tau, co2_fragments=a.fragments)
+    config = CO2Config(co2_local_steps=a.tau, co2_fragments=a.fragments, co2_comm_dtype=a.comm_dtype)
     ft = TorchFT(config, timeout_s=a.timeout_s, quorum_timeout_s=120, start_timeout_s=120)
     commit = ft.comm.commit
 
@@ -257,6 +257,7 @@ class Job:
         argv = [sys.executable, __file__, "--replica", "--method", a.method, "--out", str(self.path(rank))]
         argv += ["--steps", str(a.steps), "--tau", str(a.tau), "--step_s", str(a.step_s), "--seed", str(a.seed)]
         argv += ["--timeout_s", str(a.timeout_s)] + (["--fragments", str(a.fragments)] if a.fragments else [])
+        argv += ["--comm_dtype", a.comm_dtype]
         log = open(self.folder / f"replica{rank}.log", "a")
         env = {**self.env, "REPLICA_GROUP_ID": str(rank)}
         stdin = subprocess.PIPE if spare else subprocess.DEVNULL
@@ -413,6 +414,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--tau", type=int, default=12)
     parser.add_argument("--fragments", type=int, default=None, help="CO2's co2_fragments (unset: its default)")
+    parser.add_argument("--comm_dtype", default="float32", help="CO2's co2_comm_dtype (DiLoCo sends float32)")
     parser.add_argument("--steps", type=int, default=240, help="inner steps a replica trains")
     parser.add_argument("--step_s", type=float, default=0.25, help="the least time a step takes")
     parser.add_argument("--kills", type=int, default=4)

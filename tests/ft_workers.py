@@ -1,6 +1,7 @@
 """One torchft replica group running CO2 on a tiny regression task, for tests/test_ft.py.
 
     python tests/ft_workers.py --out FILE --steps 40 --tau 4 [--fragments 1] [--sleep 0.05] [--die MODE:K]
+        [--comm_dtype float32]
 
 torchft's environment (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) says which replica
 group this is. One JSON line per boundary is appended to ``--out`` (a replacement appends to its
@@ -42,7 +43,7 @@ def die_at(ft: TorchFT, mode: str, boundary: int) -> None:
     def kill() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    start_quorum, launch, commit = comm.start_quorum, comm.launch, comm.commit
+    start_quorum, launch, launch_coded, commit = comm.start_quorum, comm.launch, comm.launch_coded, comm.commit
 
     def quorum_then_maybe_die() -> None:
         seen["quorum"] += 1
@@ -55,6 +56,11 @@ def die_at(ft: TorchFT, mode: str, boundary: int) -> None:
             kill()
         return launch(tensor)
 
+    def launch_coded_or_die(tensor, reduce_):
+        if mode == "during" and seen["quorum"] == boundary:
+            kill()
+        return launch_coded(tensor, reduce_)
+
     def commit_then_maybe_die(pending) -> bool:
         committed = commit(pending)
         if mode == "after" and seen["quorum"] == boundary:  # the commit of the launch after quorum K
@@ -62,6 +68,7 @@ def die_at(ft: TorchFT, mode: str, boundary: int) -> None:
         return committed
 
     comm.start_quorum, comm.launch, comm.commit = quorum_then_maybe_die, launch_or_die, commit_then_maybe_die
+    comm.launch_coded = launch_coded_or_die
 
 
 def main() -> None:
@@ -74,6 +81,7 @@ def main() -> None:
     parser.add_argument("--timeout_s", type=float, default=5.0)
     parser.add_argument("--start_timeout_s", type=float, default=60.0)
     parser.add_argument("--die", default=None)
+    parser.add_argument("--comm_dtype", default="float32")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.environ.get("CO2_FT_DEBUG"):  # torchft's quorum, heal and commit lines, for a failing test
@@ -82,7 +90,9 @@ def main() -> None:
     torch.manual_seed(replica)  # each replica its own init: the first quorum must make them agree
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = CO2Config(co2_local_steps=args.tau, co2_fragments=args.fragments)
+    config = CO2Config(
+        co2_local_steps=args.tau, co2_fragments=args.fragments, co2_comm_dtype=args.comm_dtype, co2_quant_block=16
+    )
     ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60, start_timeout_s=args.start_timeout_s)
     if args.die and not os.path.exists(args.out):  # a replacement (its predecessor wrote) lives
         mode, boundary = args.die.split(":")

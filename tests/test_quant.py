@@ -6,6 +6,8 @@ thread, resumed bit for bit with its residuals, with a non-finite worker."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from quant_workers import engine_over_the_wire, hierarchical_over_the_wire, quantized_rounds_every_width
@@ -245,3 +247,101 @@ def test_error_feedback_keeps_exactly_what_decoding_its_codes_leaves_out(bits, s
         plain = quantize(target, generator=torch.Generator().manual_seed(t), **how)
         assert torch.equal(codes, plain[0]) and torch.equal(scales, plain[1])
         assert torch.equal(feedback.residual, target - dequantize(*plain, bits=bits, block=64))
+
+
+class _ThreadGroup:
+    """The coded wire's two collectives between threads of one process: a group that may change
+    from round to round, as a torchft quorum does (core/ft.py)."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.slots, self.barrier = world, [None] * world, threading.Barrier(world)
+
+    def member(self, rank: int):
+        group = self
+
+        class Member:
+            world_size = group.world
+
+            def __init__(self) -> None:
+                self.rank = rank
+
+            def all_to_all_(self, output: torch.Tensor, input: torch.Tensor) -> None:
+                rows = group._exchange(rank, input.view(group.world, -1))
+                output.view(group.world, -1).copy_(torch.stack([row[rank] for row in rows]))
+
+            def all_gather_(self, output: torch.Tensor, input: torch.Tensor) -> None:
+                output.view(group.world, -1).copy_(torch.stack(group._exchange(rank, input)))
+
+        return Member()
+
+    def _exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        every = list(self.slots)
+        self.barrier.wait()
+        return every
+
+
+def _reduce_in_threads(wires: list, members: list[int], vectors: dict, round_index: int) -> dict:
+    """One coded all-reduce of ``vectors`` (by worker) over the workers ``members``, in rank order."""
+    group, outputs = _ThreadGroup(len(members)), {}
+
+    def one(w: int, rank: int) -> None:
+        x = vectors[w].clone()
+        wires[w].all_reduce_(x, torch.ones(1), group.member(rank), feedback=True, round_index=round_index)
+        outputs[w] = x
+
+    threads = [threading.Thread(target=one, args=(w, rank)) for rank, w in enumerate(members)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outputs
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_a_coded_wire_loses_nothing_when_its_group_changes_between_rounds(bits):
+    """A torchft quorum changes who takes part: each worker sums another slice, of another length.
+    Over rounds, what every worker got equals what the participants sent, less what the residuals
+    of all workers still hold (each owned residual at its slice): nothing is lost in the regroup."""
+    from co2_hf.core.quant import QuantizedWire
+
+    numel, block = 200, 8
+    wires = [QuantizedWire(numel, 3, bits=bits, block=block, stochastic=False, seed=0, device="cpu") for _ in range(3)]
+    groups = [[0, 1, 2], [0, 2], [2], [1, 2, 0], [0, 1, 2], [1, 0]]  # members in rank order
+    received, meant = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)
+    for t, members in enumerate(groups):
+        vectors = {w: _x(numel=256, seed=10 * t + w)[:numel] for w in members}
+        outputs = _reduce_in_threads(wires, members, vectors, t)
+        assert all(torch.equal(outputs[w], outputs[members[0]]) for w in members)  # the same sum on all
+        received += outputs[members[0]].double()
+        meant += sum(vectors.values()).double()
+    held = torch.zeros(numel, dtype=torch.float64)
+    for wire in wires:
+        held += wire.sent.residual[:numel].double()
+        owned = wire.owned.residual
+        start = wire._rank * owned.numel()
+        held[start : min(start + owned.numel(), numel)] += owned[: max(0, numel - start)].double()
+    assert [wire.world for wire in wires] == [2, 2, 3]  # each as it last took part
+    assert wires[1].sent.residual.numel() == padded_numel(numel, world=2, block=block)
+    assert torch.allclose(received, meant - held, atol=1e-4), (received - meant + held).abs().max()
+
+
+def test_residuals_saved_over_a_smaller_group_load_and_regroup_on_the_next_all_reduce():
+    """A torchft replica's checkpoint may hold residuals coded over a quorum of 2 of its 3 workers."""
+    from co2_hf.core.quant import QuantizedWire
+
+    def wire():
+        return QuantizedWire(200, 3, bits=8, block=8, stochastic=False, seed=0, device="cpu")
+
+    saved = wire()
+    saved._make_residuals(2)
+    saved.sent.residual.fill_(1.0)
+    saved.owned.residual.fill_(2.0)
+    loaded = wire()
+    loaded.load_(saved.state())
+    assert loaded.world == 2
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state().values(), saved.state().values()))
+    x = torch.zeros(200)
+    loaded.all_reduce_(x, torch.ones(1), LocalCollectives(), feedback=True, round_index=0)  # a group of one
+    assert loaded.world == 1 and loaded.owned.residual.numel() == padded_numel(200, world=1, block=8)

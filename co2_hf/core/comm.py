@@ -207,7 +207,7 @@ class ProcessGroupCommunicator(Communicator):
         self.shard_index = dist.get_rank(worker) if worker is not None else 0
         self._side_streams: dict[Any, Any] = {}
         self._collectives = GroupCollectives(outer)  # what a coded all-reduce runs on (launch_coded)
-        self._last_background: _Background | None = None
+        self._last_background: BackgroundWork | None = None
         self.failed = False  # a collective failed or timed out: the exit hook leaves the groups alone
         _OPEN.add(self)
 
@@ -237,7 +237,7 @@ class ProcessGroupCommunicator(Communicator):
         side = self._side_stream(tensor.device) if tensor.is_cuda else None
         # the previous coded all-reduce, still running when finalize launches several fragments:
         # collectives on one group must run in issue order, so this one starts after it
-        work, previous = _Background(), self._last_background
+        work, previous = BackgroundWork(), self._last_background
         pending.work = self._last_background = work
 
         def run() -> None:
@@ -329,7 +329,7 @@ class ProcessGroupCommunicator(Communicator):
 POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
 
 
-class _Background:
+class BackgroundWork:
     """``fn`` run in a daemon thread, with the three methods of a collective's work that
     `_bounded_wait` uses, so that it waits for both alike. Daemon: a thread stuck in a collective
     with a dead peer must not keep a failing process alive. On CUDA the thread ends once its work

@@ -6,7 +6,9 @@ launches, `TorchFTCommunicator` receives what is in flight and asks torchft's Ma
 the Lighthouse decides who takes part in this round, the Manager reconfigures its gloo/NCCL group
 over them, and a replica that is behind (a replacement, or a survivor that could not commit) loads
 a live peer's whole state first. The outer gradient is summed over the round's participants; the
-wire's header counts the finite ones, so the mean is over whoever sent. A round whose all-reduce
+wire's header counts the finite ones, so the mean is over whoever sent. A coded wire (int8, int4,
+sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); its residuals
+follow the group's changes (``quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
 fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied.
 
 Needs the ``ft`` extra (``pip install 'co2_hf[ft]'``, torchft); nothing else imports this module.
@@ -29,15 +31,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from ..config import CO2Config
 from .co2 import CO2
-from .comm import Communicator, Pending
+from .collectives import Collectives
+from .comm import BackgroundWork, Communicator, Pending
 
 try:
     from torchft.checkpointing.transport import CheckpointTransport
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroup, ProcessGroupGloo
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("co2_hf.core.ft needs torchft: pip install 'co2_hf[ft]'") from error
 
@@ -52,8 +56,9 @@ class TorchFTCommunicator(Communicator):
     """The outer all-reduce through a torchft Manager: a quorum before each boundary's launch, a
     SUM over the round's participants, and ``commit`` = the Manager's ``should_commit``.
 
-    ``num_workers`` is the most replica groups the job runs (the header holds a slot for each);
-    ``worker_index`` this replica group's id, kept by its replacements."""
+    ``pg`` is the Manager's process group, which the coded wires' collectives run on; ``timeout``
+    bounds each of them. ``num_workers`` is the most replica groups the job runs (the header holds a
+    slot for each); ``worker_index`` this replica group's id, kept by its replacements."""
 
     reconfigures = True
 
@@ -61,12 +66,16 @@ class TorchFTCommunicator(Communicator):
         self,
         manager: Manager,
         transport: RecoveryTransport,
+        pg: ProcessGroup,
         *,
+        timeout: timedelta,
         num_workers: int,
         worker_index: int,
         start_timeout_s: float = 60.0,
     ) -> None:
-        self.manager, self.transport = manager, transport
+        self.manager, self.transport, self.pg = manager, transport, pg
+        self.timeout = timeout
+        self._last_coded: BackgroundWork | None = None
         self.num_workers, self.worker_index = num_workers, worker_index
         self.start_timeout_s = start_timeout_s
         self._started = False
@@ -139,8 +148,28 @@ class TorchFTCommunicator(Communicator):
         work.get_future().then(lambda _: pending.completed_at.append(time.perf_counter()))
         return pending
 
-    def launch_coded(self, tensor: Tensor, reduce_: Callable) -> Pending:
-        raise RuntimeError("CO2 internal error: coded wires are refused with torchft (TorchFT checks)")
+    def launch_coded(self, tensor: Tensor, reduce_: Callable[[Collectives], None]) -> Pending:
+        """A coded all-reduce (int8/int4/sparse) over this quorum's group, off the main thread as
+        over a plain process group. A failure is reported to the Manager, as its own all-reduce
+        does: the round is then not committed (``commit``), and nothing is raised here."""
+        pending = Pending(tensor, senders=self.manager.num_participants())
+        collectives = QuorumCollectives(self.pg, self.manager, self.timeout)
+        work, previous = BackgroundWork(), self._last_coded
+        pending.work = self._last_coded = work
+        errored = self.manager.errored() is not None  # this round is lost already: send nothing
+
+        def run() -> None:
+            if previous is not None:
+                previous.join()  # collectives on one group run in issue order
+            if not errored:
+                try:
+                    reduce_(collectives)
+                except Exception as error:  # a participant died or stalled with it in flight
+                    self.manager.report_error(error)
+            pending.completed_at.append(time.perf_counter())
+
+        work.start(run)
+        return pending
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
@@ -153,6 +182,28 @@ class TorchFTCommunicator(Communicator):
 
     def all_reduce_(self, tensor: Tensor) -> None:
         raise RuntimeError("CO2 internal error: co2_sync_warmup_steps is refused with torchft (TorchFT checks)")
+
+
+class QuorumCollectives:
+    """The coded wires' two collectives (``core/collectives.py``) over the group of the Manager's
+    current quorum: its participants, this replica's rank among them. Each waits ``timeout`` at
+    most and raises on failure (the caller reports it to the Manager)."""
+
+    def __init__(self, pg: ProcessGroup, manager: Manager, timeout: timedelta) -> None:
+        self.pg, self.timeout = pg, timeout
+        self.world_size, self.rank = manager.num_participants(), manager.participating_rank()
+        if self.rank is None or self.world_size != pg.size():
+            raise RuntimeError(
+                f"CO2 internal error: a coded all-reduce outside a quorum (rank {self.rank}, "
+                f"{self.world_size} participants, a group of {pg.size()})"
+            )
+
+    def all_to_all_(self, output: Tensor, input: Tensor) -> None:
+        self.pg.alltoall_base(output, input, [], [], AllToAllOptions()).wait(self.timeout)
+
+    def all_gather_(self, output: Tensor, input: Tensor) -> None:
+        rows = list(output.view(self.world_size, -1).unbind(0))
+        self.pg.allgather([rows], [input], AllgatherOptions()).wait(self.timeout)
 
 
 class RecoveryTransport(CheckpointTransport):
@@ -235,11 +286,6 @@ def check_config(config: CO2Config) -> None:
     """Refuse the settings this version does not run on torchft, naming the flag (before anything starts)."""
     if config.co2_worker_size != 1:
         raise ValueError(f"co2_worker_size={config.co2_worker_size} with torchft: one process per replica group only")
-    if config.co2_comm_dtype not in ("float32", "bfloat16"):
-        raise ValueError(
-            f"co2_comm_dtype={config.co2_comm_dtype!r} with torchft: allowed are 'float32' and 'bfloat16' "
-            "(a coded wire's residuals assume the same workers every round)"
-        )
     if config.co2_sync_warmup_steps:
         raise ValueError(f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} with torchft: allowed is 0")
 
@@ -279,8 +325,9 @@ class TorchFT:
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
         transport = RecoveryTransport(host, timeout)
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=1,
@@ -300,6 +347,8 @@ class TorchFT:
         self.comm = TorchFTCommunicator(
             self.manager,
             transport,
+            pg,
+            timeout=timeout,
             num_workers=self.num_replicas,
             worker_index=self.replica_id,
             start_timeout_s=start_timeout_s,
@@ -335,8 +384,13 @@ class TorchFT:
 
 
 def _load_peer_state(co2: CO2, saved: dict[str, Any]) -> None:
-    """A peer's CO2 state is this replica's but for the worker index (a header slot)."""
-    co2.load_state_dict({**saved, "worker_index": co2.comm.worker_index})
+    """A peer's CO2 state is this replica's but for the worker index (a header slot) and a coded
+    wire's residuals. Those are what this replica has left to send of its own outer gradients (and of
+    the slice of the sum it coded last): they stay its own, zeros for a replacement. Taking the
+    peer's would send the peer's leftovers twice."""
+    own = co2.state_dict()["fragments"]
+    fragments = [{**theirs, "residuals": mine["residuals"]} for theirs, mine in zip(saved["fragments"], own)]
+    co2.load_state_dict({**saved, "worker_index": co2.comm.worker_index, "fragments": fragments})
 
 
 def job_from_env(

@@ -182,10 +182,31 @@ class QuantizedWire:
         pin_memory: bool = False,
     ) -> None:
         self.bits, self.block, self.stochastic, self.seed = _checked_bits(bits), block, stochastic, seed
-        padded = padded_numel(numel, world=num_workers, block=block)
-        zeros = dict(device=device, pin_memory=pin_memory)
-        self.sent = ErrorFeedback(padded, **zeros)
-        self.owned = ErrorFeedback(padded // num_workers, **zeros)
+        self.numel, self._zeros = numel, dict(device=device, pin_memory=pin_memory)
+        self._make_residuals(num_workers)
+        # the slice of the sum that ``owned`` belongs to: the world and this rank's place in it at the
+        # last all-reduce (None until then: a residual loaded from a checkpoint is the slice of the
+        # rank that resumes it, since a checkpoint is resumed by the rank that wrote it)
+        self._rank: int | None = None
+
+    def _make_residuals(self, world: int) -> None:
+        padded = padded_numel(self.numel, world=world, block=self.block)
+        self.world = world
+        self.sent = ErrorFeedback(padded, **self._zeros)
+        self.owned = ErrorFeedback(padded // world, **self._zeros)
+
+    def _regroup(self, world: int, rank: int) -> None:
+        """The all-reduce's group changed (a torchft quorum, ``core/ft.py``): this rank now sums another
+        slice, of another length. What ``owned`` kept of its old slice is added into ``sent`` at that
+        slice's place, so that this rank sends it next round and the sum over rounds loses nothing;
+        both residuals then take the new lengths (``sent`` keeps its values: those past ``numel`` are
+        padding and mean nothing)."""
+        old_rank = rank if self._rank is None else self._rank
+        owned, sent = self.owned.residual, self.sent.residual
+        sent[old_rank * owned.numel() : (old_rank + 1) * owned.numel()].add_(owned)
+        self._make_residuals(world)
+        kept = min(sent.numel(), self.sent.residual.numel())
+        self.sent.residual[:kept].copy_(sent[:kept])
 
     def all_reduce_(
         self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool, round_index: int
@@ -193,6 +214,9 @@ class QuantizedWire:
         """Sum ``x`` over the workers through codes, and ``exact`` (the header) exactly.
         ``feedback=False`` (a non-finite worker, which sends zeros) leaves this rank's own residual
         for a later round."""
+        if collectives.world_size != self.world or (self._rank is not None and collectives.rank != self._rank):
+            self._regroup(collectives.world_size, collectives.rank)
+        self._rank = collectives.rank
         generator = None
         if self.stochastic:
             generator = torch.Generator(device=x.device)
@@ -216,6 +240,11 @@ class QuantizedWire:
         return {"sent": self.sent.residual, "owned": self.owned.residual}
 
     def load_(self, saved: dict[str, Tensor]) -> None:
+        """Restore `state`. Residuals saved over a group of another size (a torchft quorum's) keep
+        their lengths, which say that size; the next all-reduce regroups them (`_regroup`)."""
+        world = saved["sent"].numel() // saved["owned"].numel()
+        if world != self.world:
+            self._make_residuals(world)
         self.sent.residual.copy_(saved["sent"])
         self.owned.residual.copy_(saved["owned"])
 
