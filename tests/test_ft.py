@@ -360,7 +360,10 @@ def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
             return 2
 
     try:
-        comm = TorchFTCommunicator(Manager(), peer, num_workers=2, worker_index=0)
+        # no process group: a quorum does not touch it (only a coded wire's collectives do)
+        comm = TorchFTCommunicator(
+            Manager(), peer, pg=None, timeout=timedelta(seconds=5), num_workers=2, worker_index=0
+        )
         peer.send_checkpoint([1], step=1, state_dict={"w": torch.zeros(2)}, timeout=timedelta(seconds=5))
         comm.start_quorum()
         assert served_when_asking == [False]

@@ -66,8 +66,8 @@ class TorchFTCommunicator(Communicator):
         self,
         manager: Manager,
         transport: RecoveryTransport,
-        pg: ProcessGroup,
         *,
+        pg: ProcessGroup,
         timeout: timedelta,
         num_workers: int,
         worker_index: int,
@@ -347,7 +347,7 @@ class TorchFT:
         self.comm = TorchFTCommunicator(
             self.manager,
             transport,
-            pg,
+            pg=pg,
             timeout=timeout,
             num_workers=self.num_replicas,
             worker_index=self.replica_id,
