@@ -241,8 +241,6 @@ class ProcessGroupCommunicator(Communicator):
         pending.work = self._last_background = work
 
         def run() -> None:
-            if previous is not None:
-                previous.join()
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if side is not None:
                     side.wait_event(ready)
@@ -252,7 +250,7 @@ class ProcessGroupCommunicator(Communicator):
                     pending.launch_events = (ready, work.done_event)
             pending.completed_at.append(time.perf_counter())
 
-        work.start(run)
+        work.start(run, after=previous)
         return pending
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
@@ -339,11 +337,15 @@ class BackgroundWork:
         self._done, self._error = threading.Event(), None
         self.done_event: Any = None  # CUDA: recorded on the side stream after the last collective
 
-    def start(self, fn: Callable[[], None]) -> None:
-        threading.Thread(target=self._run, args=(fn,), name="co2-coded-all-reduce", daemon=True).start()
+    def start(self, fn: Callable[[], None], *, after: BackgroundWork | None = None) -> None:
+        """Run ``fn`` in the thread, once ``after`` (the previous coded all-reduce on the same group,
+        if still running) has ended: collectives on one group must run in issue order."""
+        threading.Thread(target=self._run, args=(fn, after), name="co2-coded-all-reduce", daemon=True).start()
 
-    def _run(self, fn: Callable[[], None]) -> None:
+    def _run(self, fn: Callable[[], None], after: BackgroundWork | None) -> None:
         try:
+            if after is not None:
+                after.join()
             fn()
         except BaseException as error:  # handed to the waiting thread, which raises it
             self._error = error

@@ -159,8 +159,6 @@ class TorchFTCommunicator(Communicator):
         errored = self.manager.errored() is not None  # this round is lost already: send nothing
 
         def run() -> None:
-            if previous is not None:
-                previous.join()  # collectives on one group run in issue order
             if not errored:
                 try:
                     reduce_(collectives)
@@ -168,7 +166,7 @@ class TorchFTCommunicator(Communicator):
                     self.manager.report_error(error)
             pending.completed_at.append(time.perf_counter())
 
-        work.start(run)
+        work.start(run, after=previous)
         return pending
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
