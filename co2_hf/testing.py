@@ -95,20 +95,20 @@ class QuorumCommunicator(FakeCommunicator):
     must be none), ``"launch"``, ``"wait"`` and ``"commit"`` events, and ``commit`` answers False
     for the launches numbered in ``drop`` (0-based): those rounds are dropped, as when a
     participant dies with the all-reduce in flight. ``on_quorum`` runs inside each quorum, where
-    torchft loads a live peer's state into a replica that is behind."""
+    torchft loads a live peer's state into a replica that is behind; it returns whether it loaded
+    one taken at the peer's boundary (what ``start_quorum`` returns)."""
 
     reconfigures = True
 
     def __init__(
-        self, *, drop: Iterable[int] = (), num_workers: int = 1, on_quorum: Callable[[], None] | None = None
+        self, *, drop: Iterable[int] = (), num_workers: int = 1, on_quorum: Callable[[], bool] | None = None
     ) -> None:
         super().__init__(num_workers=num_workers)
         self.drop, self.on_quorum, self._launched, self._in_flight = set(drop), on_quorum, [], 0
 
-    def start_quorum(self) -> None:
+    def start_quorum(self) -> bool:
         self.events.append(f"quorum:{self._in_flight}")
-        if self.on_quorum is not None:
-            self.on_quorum()
+        return self.on_quorum is not None and bool(self.on_quorum())
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = super().launch(tensor)
@@ -167,8 +167,8 @@ class ForwardingCommunicator(Communicator):
     def reconfigures(self) -> bool:
         return self.inner.reconfigures
 
-    def start_quorum(self) -> None:
-        self.inner.start_quorum()
+    def start_quorum(self) -> bool:
+        return self.inner.start_quorum()
 
     def commit(self, pending: Pending) -> bool:
         return self.inner.commit(pending)

@@ -1,13 +1,16 @@
 """One torchft replica group running CO2Trainer with ``co2_fault_tolerance='torchft'``, for tests/test_ft.py.
 
     python tests/ft_trainer_workers.py --out FILE [--steps 48] [--tau 4] [--die_at STEP] [--step_s 0.3]
+        [--save_steps N] [--output_dir DIR] [--resume CHECKPOINT]
 
 torchft's environment (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) says which replica
 group this is. After each optimizer step one JSON line is appended to ``--out`` (a replacement
 appends to its predecessor's file): the process id, the Trainer's global step and CO2's, the dataset indices
 of the step's batch and a digest of CO2's anchor. ``--die_at K``: the first process of the replica
 (its file does not exist yet) SIGKILLs itself at the end of step K. At the end the model is saved
-into ``out<replica>`` beside ``--out`` (replica group 0 alone writes it).
+into the output directory, ``out<replica>`` beside ``--out`` unless ``--output_dir`` names one for
+every group (replica group 0 alone writes it, and the checkpoints every ``--save_steps``).
+``--resume``: ``resume_from_checkpoint``, a folder or ``true``.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--die_at", type=int, default=None)
     parser.add_argument("--step_s", type=float, default=0.3)
+    parser.add_argument("--save_steps", type=int, default=None)
+    parser.add_argument("--output_dir", default=None)
+    parser.add_argument("--resume", default=None)
     a = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.environ.get("CO2_FT_DEBUG"):  # torchft's quorum, heal and commit lines, for a failing test
@@ -91,14 +97,15 @@ def main() -> None:
     die_at = a.die_at if not os.path.exists(a.out) else None  # a replacement lives
     torch.manual_seed(replica)  # each replica its own init: the first quorum must make them agree
     args = CO2TrainingArguments(
-        os.path.join(os.path.dirname(os.path.abspath(a.out)), f"out{replica}"),
+        a.output_dir or os.path.join(os.path.dirname(os.path.abspath(a.out)), f"out{replica}"),
         use_cpu=True,
         max_steps=a.steps,
         per_device_train_batch_size=4,
         learning_rate=0.05,
         optim="sgd",
         lr_scheduler_type="linear",
-        save_strategy="no",
+        save_strategy="no" if a.save_steps is None else "steps",
+        save_steps=a.save_steps or 500,
         report_to=[],
         disable_tqdm=True,
         logging_steps=1000,
@@ -110,7 +117,7 @@ def main() -> None:
     )
     trainer = CO2Trainer(model=Regression(), args=args, train_dataset=Indexed())
     trainer.add_callback(Record(trainer, a.out, die_at, a.step_s))
-    trainer.train()
+    trainer.train(resume_from_checkpoint={"true": True}.get(a.resume, a.resume))
     trainer.save_model()
 
 

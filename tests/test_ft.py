@@ -98,12 +98,13 @@ class Job:
     def log(self, replica: int) -> str:
         return (self.tmp / f"log{replica}.txt").read_text()
 
-    def wait_all(self, timeout_s: float, restart: int | None = None) -> int:
-        """Wait for every process; restart ``restart`` once if it dies (the supervisor). Returns restarts."""
+    def wait_all(self, timeout_s: float, restart: int | None = None, **restart_flags) -> int:
+        """Wait for every process; restart ``restart`` once (with ``restart_flags`` added) if it dies
+        (the supervisor). Returns restarts."""
         deadline, restarts = time.monotonic() + timeout_s, 0
         while time.monotonic() < deadline:
             if restart is not None and self.procs[restart].poll() == -signal.SIGKILL and not restarts:
-                self.start(restart)
+                self.start(restart, **restart_flags)
                 restarts += 1
             if all(p.poll() is not None for p in self.procs.values()):
                 return restarts
@@ -268,19 +269,12 @@ def test_trainer_settings_this_version_does_not_run_on_torchft_are_refused_by_na
         CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft", **overrides)
 
 
-def test_a_replica_group_of_several_processes_or_a_resume_from_disk_is_refused(torchft_job, tmp_path, monkeypatch):
-    import torch
-
-    from co2_hf import CO2Trainer, CO2TrainingArguments
+def test_a_replica_group_of_several_processes_is_refused(torchft_job, tmp_path, monkeypatch):
+    from co2_hf import CO2TrainingArguments
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE=2: one process per replica group"):
         CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft")
-    monkeypatch.delenv("WORLD_SIZE")
-    args = CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft", report_to=[])
-    trainer = CO2Trainer(model=torch.nn.Linear(2, 1), args=args)
-    with pytest.raises(ValueError, match="resume_from_checkpoint with co2_fault_tolerance='torchft'"):
-        trainer.train(resume_from_checkpoint=str(tmp_path))
 
 
 class _Exploit:
@@ -422,16 +416,18 @@ def _expected_batches(replica: int, replicas: int, steps: int) -> dict[int, list
 
 def test_the_trainer_s_killed_replica_rejoins_at_its_peers_step_and_place_in_its_data(trainer_lighthouse, tmp_path):
     """co2_fault_tolerance='torchft' in CO2Trainer: replica group 1 is SIGKILLed mid-round (step 6 of
-    rounds of 4, the round launched at step 4 in flight). The others never stop; its replacement
-    takes a live peer's model, optimizer, scheduler, CO2 and Trainer state, starts past step 6, reads
-    at every step exactly the batch of its own shard that step has (the one its predecessor would
-    have read), and ends with the others' anchor. Only replica group 0 writes the model."""
+    rounds of 4, the round launched at step 4 in flight). The others never stop; its replacement,
+    started with resume_from_checkpoint (group 0's checkpoint of step 4, as a supervisor that always
+    passes it would), takes a live peer's model, optimizer, scheduler, CO2 and Trainer state over
+    it, starts past step 6, reads at every step exactly the batch of its own shard that step has
+    (the one its predecessor would have read), and ends with the others' anchor. Only replica group
+    0 writes the model and the checkpoints."""
     steps, replicas = 48, 3  # 0.3 s a step: about 12 s after the kill for a replacement to start
-    job = Job(trainer_lighthouse, tmp_path, replicas, worker=TRAINER_WORKER, steps=steps, tau=4)
+    job = Job(trainer_lighthouse, tmp_path, replicas, worker=TRAINER_WORKER, steps=steps, tau=4, save_steps=4)
     for replica in range(replicas):
         job.start(replica, **({"die_at": 6} if replica == 1 else {}))
     try:
-        assert job.wait_all(200, restart=1) == 1, job.logs()
+        assert job.wait_all(200, restart=1, resume=tmp_path / "out0" / "checkpoint-4") == 1, job.logs()
     finally:
         job.kill()
     assert all(p.returncode == 0 for p in job.procs.values()), job.logs()
@@ -446,6 +442,62 @@ def test_the_trainer_s_killed_replica_rejoins_at_its_peers_step_and_place_in_its
     replacement = [r for r in job.records(1) if r["pid"] != job.records(1)[0]["pid"]]
     assert replacement[0]["step"] > 6, replacement[0]
     assert "rejoined the job at step" in job.log(1)
+    assert "resumes from replica group 0's checkpoint" in job.log(1)  # read, then replaced by the peer's
     assert _same_anchor_at_every_shared_step(job) >= steps - replacement[0]["step"]
     assert (tmp_path / "out0" / "model.safetensors").exists()
+    assert (tmp_path / "out0" / "checkpoint-48").is_dir()
     assert not [path for r in (1, 2) for path in (tmp_path / f"out{r}").iterdir()]  # nothing written
+
+
+def test_a_job_that_lost_every_replica_resumes_from_group_0_s_checkpoint_and_never_trains_over_it(
+    trainer_lighthouse, tmp_path
+):
+    """Both replica groups SIGKILLed at step 16 (rounds of 4, 2 fragments). Replica group 0 saved a
+    checkpoint at step 10, after fragment 0's boundary, into the output directory both share.
+    Restarted as they were (no resume_from_checkpoint), each stops before its first step rather
+    than train from scratch over it. Restarted with it, both go on from step 11: the anchors of
+    steps 11 to 13, which the checkpoint alone decides (from step 14 on they take in fragment 1's
+    round launched at step 12, where group 1 started from group 0's local model), are the lost
+    job's; the boundary saved with it is not run again; each group reads its own shard's batch at
+    every step; the anchors agree to the end."""
+    steps, replicas, shared = 24, 2, tmp_path / "out"
+    flags = dict(steps=steps, tau=4, fragments=2, output_dir=shared, save_steps=10, step_s=0.1)
+    job = Job(trainer_lighthouse, tmp_path, replicas, worker=TRAINER_WORKER, **flags)
+    try:
+        for replica in range(replicas):
+            job.start(replica, die_at=16)
+        job.wait_all(120)
+        assert all(p.returncode == -signal.SIGKILL for p in job.procs.values()), job.logs()
+        lost = {r["step"]: r["anchor"] for r in job.records(0)}
+        checkpoint = shared / "checkpoint-10"
+        assert max(lost) == 16 and checkpoint.is_dir(), job.logs()
+
+        for replica in range(replicas):  # a supervisor's restart, with the same command
+            job.start(replica)
+        job.wait_all(120)
+        for replica in range(replicas):
+            assert job.procs[replica].returncode == 1, job.logs()
+            assert "starts the torchft job from step 0" in job.log(replica), job.logs()
+        assert max(r["step"] for r in job.records(0)) == 16  # not one step trained over the checkpoint
+
+        for replica in range(replicas):
+            job.start(replica, resume=checkpoint)
+        job.wait_all(150)
+    finally:
+        job.kill()
+    assert all(p.returncode == 0 for p in job.procs.values()), job.logs()
+    anchors = defaultdict(set)  # the resumed job's, by step
+    for replica in range(replicas):
+        records, expected = job.records(replica), _expected_batches(replica, replicas, steps)
+        resumed = [r for r in records if r["pid"] != records[0]["pid"]]
+        assert [r["step"] for r in resumed] == list(range(11, steps + 1)), replica
+        for r in resumed:
+            anchors[r["step"]].add(r["anchor"])
+        assert all(r["inner"] == r["step"] for r in records), f"replica {replica}: Trainer and CO2 steps differ"
+        wrong = [(r["step"], r["seen"], expected[r["step"]]) for r in records if r["seen"] != expected[r["step"]]]
+        assert not wrong, f"replica {replica} read other batches (step, read, its shard's): {wrong}"
+        again = {r["step"]: r["anchor"] for r in resumed}
+        assert [again[step] for step in (11, 12, 13)] == [lost[step] for step in (11, 12, 13)], replica
+    assert "resumes from replica group 0's checkpoint" in job.log(1)
+    assert "rejoined the job" not in job.log(0) + job.log(1)  # nobody was ahead: the disk's state
+    assert all(len(anchors[step]) == 1 for step in range(11, steps + 1)), anchors

@@ -86,11 +86,13 @@ def test_a_replica_that_loads_a_live_peer_s_state_in_the_quorum_continues_as_tha
     _train(peer_model, peer, peer_opt, 20, peer_anchors)
     assert snapshot, "no quorum at step 12"
 
-    def heal():
+    def heal():  # True: the state loaded was taken at the peer's boundary
         if "co2" in snapshot:
             model.load_state_dict(snapshot["model"])
             optimizer.load_state_dict(snapshot["optimizer"])
             co2.load_state_dict(snapshot.pop("co2"))
+            return True
+        return False
 
     model, optimizer, co2 = _engine(QuorumCommunicator(on_quorum=heal), seed=1, **kw)  # another init
     assert co2.rejoin()  # the boundary the peer was running when it sent its state
@@ -102,6 +104,33 @@ def test_a_replica_that_loads_a_live_peer_s_state_in_the_quorum_continues_as_tha
             assert torch.equal(anchors[step][name], value), (step, name)
     for name, value in peer_model.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_replica_resumed_from_a_mid_round_checkpoint_rejoins_without_running_its_boundary_again(fragments):
+    """Every replica restarted from one checkpoint (torchft: all of them were lost): the state was
+    saved after the boundaries at its clock ran (step 10 of rounds of 4: with 2 fragments, fragment
+    0's boundary), so the first quorum launches nothing and the run goes on exactly as the one that
+    saved it."""
+    kw = dict(co2_local_steps=4, co2_fragments=fragments)
+    model, optimizer, co2 = _engine(QuorumCommunicator(), **kw)
+    _train(model, co2, optimizer, 10)
+    saved = copy.deepcopy({"co2": co2.state_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    anchors = {}
+    _train(model, co2, optimizer, 20, anchors)
+
+    comm = QuorumCommunicator()
+    resumed_model, resumed_optimizer, resumed = _engine(comm, seed=1, **kw)
+    resumed_model.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    resumed.load_state_dict(saved["co2"])
+    assert not resumed.rejoin()
+    assert comm.events == ["quorum:0"]  # nothing launched: the checkpoint's boundary ran before it
+    resumed_anchors = {}
+    _train(resumed_model, resumed, resumed_optimizer, 20, resumed_anchors)
+    for step in range(11, 21):
+        for name, value in anchors[step].items():
+            assert torch.equal(resumed_anchors[step][name], value), (step, name)
 
 
 def test_rejoin_needs_a_transport_that_reconfigures():

@@ -164,13 +164,13 @@ class CO2:
     @torch.no_grad()
     def rejoin(self) -> bool:
         """Join the workers of a fault-tolerant transport (``ft.py``) on start-up: the first quorum,
-        which loads a live peer's state when the others have trained already, then what is due at
-        the step that state is at (the boundary the others are running). Returns whether a
-        boundary ran. With every worker starting together it only agrees on the starting state."""
+        which loads a live peer's state when the others have trained already, then, if that peer
+        sent it from inside a boundary, that boundary (the one the others are running). Returns
+        whether a boundary ran. With every worker starting together, from scratch or from one
+        checkpoint (whose clock's boundaries ran before it was saved), nothing is due."""
         if not self.comm.reconfigures:
             raise RuntimeError("CO2.rejoin needs a fault-tolerant communicator (co2_hf.core.ft)")
-        self._start_quorum()
-        return self._run(self._due_now())
+        return self._run(self._due_now()) if self._start_quorum() else False
 
     def _due_now(self) -> list:
         """What is due at the step the clock says, after a quorum that may have loaded a peer's
@@ -189,12 +189,12 @@ class CO2:
             self._end_round()
         return any(event is Event.BOUNDARY for event, _ in due)
 
-    def _start_quorum(self) -> None:
+    def _start_quorum(self) -> bool:
         """Receive every all-reduce in flight (the transport's group may change with the quorum),
-        then start the quorum of the round about to launch."""
+        then start the quorum of the round about to launch (`Communicator.start_quorum`)."""
         for part in self.fragments:
             part.receive()
-        self.comm.start_quorum()
+        return self.comm.start_quorum()
 
     # ------------------------------------------------------------------ what the plan runs (fragment.py)
 

@@ -17,9 +17,9 @@ The engine needs these eight verbs (``docs/algorithm.md``, "Communication"), and
   step, when ``co2_worker_size > 1``);
 
 and two that only a transport whose workers may come and go implements (torchft, ``ft.py``; the
-others keep the defaults, a no-op and True): ``start_quorum`` before a boundary's launch (the
-round's participants; may load a live peer's state), ``commit`` after a wait (may the result be
-applied, or was the round dropped).
+others keep the defaults, False and True): ``start_quorum`` before a boundary's launch (the
+round's participants; may load a live peer's state, and says whether that peer was at a boundary),
+``commit`` after a wait (may the result be applied, or was the round dropped).
 
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
 main thread with ``async_op=True``. The one exception is ``launch_coded``: the quantized
@@ -147,8 +147,11 @@ class Communicator:
     # ``commit`` says whether a received all-reduce may be applied (False: the round is dropped).
     reconfigures: bool = False
 
-    def start_quorum(self) -> None:
-        pass
+    def start_quorum(self) -> bool:
+        """The quorum of the round about to launch. True: it loaded the state of a live peer taken
+        inside that peer's boundary quorum, so the boundary at the loaded clock is still to run here
+        (`CO2.rejoin`); a peer that is starting itself, or no peer, has nothing due."""
+        return False
 
     def commit(self, pending: Pending) -> bool:
         return True

@@ -78,18 +78,20 @@ class TorchFTCommunicator(Communicator):
         self._last_coded: BackgroundWork | None = None
         self.num_workers, self.worker_index = num_workers, worker_index
         self.start_timeout_s = start_timeout_s
-        self._started = False
+        self.joined = False  # past this replica's first quorum: every quorum after it is a boundary's
+        self.peer_at_boundary = False  # this quorum loaded a peer's state taken inside a boundary's quorum
         self.dropped_rounds = 0  # all-reduces received but not committed (a participant failed)
         self._warned_alone = self._warned_crowd = False
 
     def broadcast_(self, tensors: list[Tensor]) -> None:
         pass  # the first quorum (init_sync) gives every replica the primary's state instead
 
-    def start_quorum(self) -> None:
+    def start_quorum(self) -> bool:
+        self.peer_at_boundary = False
         self._quorum()
-        if not self._started:
-            self._started = True
+        if not self.joined:
             self._wait_for_the_others()
+            self.joined = True
         participants = self.manager.num_participants()
         if participants > self.num_workers and not self._warned_crowd:
             self._warned_crowd = True  # training goes on: the mean is over whoever sent
@@ -110,6 +112,7 @@ class TorchFTCommunicator(Communicator):
                 "gradient is its own) until other replicas join",
                 self.worker_index,
             )
+        return self.peer_at_boundary
 
     def _wait_for_the_others(self) -> None:
         """At a job's start (torchft step 0: nobody has committed), ask again until every replica
@@ -359,18 +362,52 @@ class TorchFT:
         *,
         state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] | None = None,
     ) -> CO2:
-        """CO2 around ``model``, joined to the job: the model, the optimizer, CO2's state and the
+        """`build`, then `join`: CO2 around ``model``, joined to the job, with a live peer's state
+        loaded if one was ahead. To resume from a checkpoint, load it between the two."""
+        co2 = self.build(model, optimizer, state=state)
+        self.join(co2)
+        return co2
+
+    def build(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] | None = None,
+    ) -> CO2:
+        """CO2 around ``model``, not joined yet. The model, the optimizer, CO2's state and the
         ``state`` pairs (name: (load, save), e.g. the data position) travel to a replica that is
-        behind. Returns after the first quorum, with a live peer's state loaded if one was ahead."""
+        behind. A checkpoint is loaded into them before `join` (CO2's through `own_state`)."""
         co2 = CO2(model, self.config, optimizer, communicator=self.comm)
-        self.manager.register_state_dict_fn("co2", lambda saved: _load_peer_state(co2, saved), co2.state_dict)
+        take, lend = (lambda sent: self._take_peer_state(co2, sent)), (lambda: self._lend_state(co2))
+        self.manager.register_state_dict_fn("co2", take, lend)
         self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
         if optimizer is not None:
             self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict, optimizer.state_dict)
         for name, (load, save) in (state or {}).items():
             self.manager.register_state_dict_fn(name, load, save)
-        co2.rejoin()
         return co2
+
+    def join(self, co2: CO2) -> None:
+        """The first quorum. If the others have committed rounds, a live peer's state replaces
+        whatever this replica holds (a checkpoint's too) and it runs the boundary that peer is at.
+        Started together (from scratch, or all from one checkpoint), the replicas agree on the
+        first one's state."""
+        co2.rejoin()
+
+    def _lend_state(self, co2: CO2) -> dict[str, Any]:
+        """CO2's state for a peer that is behind, and whether it is taken inside a boundary's quorum
+        (every quorum after this replica's first one): the peer then runs that boundary too."""
+        return {"engine": co2.state_dict(), "at_boundary": self.comm.joined}
+
+    def _take_peer_state(self, co2: CO2, sent: dict[str, Any]) -> None:
+        """A peer's CO2 state as this replica's (`_as_this_replica`). A survivor healed at a
+        boundary keeps its own residuals; a replica that is starting takes zeros: any it holds were
+        read from a checkpoint, older than what its predecessor went on to send."""
+        joined = self.comm.joined
+        residuals = _residuals(co2) if joined else _zero_residuals(co2)
+        co2.load_state_dict(_as_this_replica(co2, sent["engine"], residuals))
+        self.comm.peer_at_boundary = bool(sent["at_boundary"])
 
     @property
     def committed_rounds(self) -> int:
@@ -381,14 +418,37 @@ class TorchFT:
         self.manager.shutdown(wait=False)
 
 
-def _load_peer_state(co2: CO2, saved: dict[str, Any]) -> None:
-    """A peer's CO2 state is this replica's but for the worker index (a header slot) and a coded
-    wire's residuals. Those are what this replica has left to send of its own outer gradients (and of
-    the slice of the sum it coded last): they stay its own, zeros for a replacement. Taking the
-    peer's would send the peer's leftovers twice."""
-    own = co2.state_dict()["fragments"]
-    fragments = [{**theirs, "residuals": mine["residuals"]} for theirs, mine in zip(saved["fragments"], own)]
-    co2.load_state_dict({**saved, "worker_index": co2.comm.worker_index, "fragments": fragments})
+def own_state(co2: CO2, saved: dict[str, Any]) -> dict[str, Any]:
+    """A CO2 state from a checkpoint of this job (replica group 0 writes them), to load into this
+    replica group's engine before it joins: with its own worker index, and with the checkpoint's
+    residuals only if this group wrote it (another group's would be sent twice; this one's own
+    were not saved, so they start from zeros)."""
+    if saved.get("num_workers") != co2.comm.num_workers:
+        raise ValueError(
+            f"the CO2 checkpoint was saved by a job of {saved.get('num_workers')!r} replica groups, this one "
+            f"has {NUM_REPLICAS_ENV}={co2.comm.num_workers}: resume it with the same {NUM_REPLICAS_ENV}"
+        )
+    wrote_it = saved.get("worker_index") == co2.comm.worker_index
+    residuals = [part["residuals"] for part in saved["fragments"]] if wrote_it else _zero_residuals(co2)
+    return _as_this_replica(co2, saved, residuals)
+
+
+def _as_this_replica(co2: CO2, saved: dict[str, Any], residuals: list[Any]) -> dict[str, Any]:
+    """Another replica's CO2 state is this one's but for the worker index (a header slot) and a
+    coded wire's residuals (per fragment): what a replica has left to send of its own outer
+    gradients and of the slice of the sum it coded last, never another's."""
+    fragments = [{**theirs, "residuals": kept} for theirs, kept in zip(saved["fragments"], residuals, strict=True)]
+    return {**saved, "worker_index": co2.comm.worker_index, "fragments": fragments}
+
+
+def _residuals(co2: CO2) -> list[Any]:
+    """This engine's residuals, per fragment (None: a wire without them). Nothing is in flight here:
+    a quorum and a restore run with every all-reduce received."""
+    return [part["residuals"] for part in co2.state_dict()["fragments"]]
+
+
+def _zero_residuals(co2: CO2) -> list[Any]:
+    return [None if r is None else {k: torch.zeros_like(v) for k, v in r.items()} for r in _residuals(co2)]
 
 
 def job_from_env(

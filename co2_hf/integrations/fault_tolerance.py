@@ -12,7 +12,11 @@ state travels with CO2's to a replica that is behind:
 - each replica group reads its own shard of the training set (torchft's ``DistributedSampler``
   over ``NUM_REPLICA_GROUPS`` shards), so a replacement reads what its predecessor would have;
 - replica group 0 alone writes checkpoints, models and reports (it is the Trainer's world process
-  zero; every group holds the same model).
+  zero; every group holds the same model);
+- ``resume_from_checkpoint`` (one of group 0's, on a disk every group reads) is for a job that lost
+  every replica: each group loads it before its first quorum, and a live peer's state, if any peer
+  is ahead, replaces it there. A job that starts from step 0 beside a checkpoint of its output
+  directory stops instead of training from scratch over it (`Replica.join`).
 
 A survivor healed at a boundary keeps its place (its peers are at its step); one whose Trainer step
 differs from the peer's cannot jump in its data mid-epoch, so it stops with an error and rejoins
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 
 from transformers.trainer_callback import TrainerState
 
@@ -34,10 +39,6 @@ logger = logging.getLogger(__name__)
 
 FAULT_TOLERANCE = ("none", "torchft")
 SAMPLING = ("random", "sequential")  # the train_sampling_strategy values a shard can follow
-NO_RESUME = (
-    "resume_from_checkpoint with co2_fault_tolerance='torchft': not in this version (a replica group that "
-    "starts takes a live peer's state instead; a checkpoint that replica group 0 wrote resumes without torchft)"
-)
 REJOINED = "<a live peer>"  # `resume_from_checkpoint` while the Trainer skips to a peer's data position
 
 
@@ -73,8 +74,6 @@ def check_arguments(args) -> None:
             f"train_sampling_strategy={args.train_sampling_strategy!r} with {flag}: allowed are "
             f"{', '.join(map(repr, SAMPLING))} (each replica group reads its shard of torchft's DistributedSampler)"
         )
-    if getattr(args, "resume_from_checkpoint", None):
-        raise ValueError(NO_RESUME)
     if getattr(args, "co2_elastic", False):
         raise ValueError(f"co2_elastic=True with {flag}: allowed is False (torchft replaces a lost worker live)")
 
@@ -125,17 +124,40 @@ class Replica:
             drop_last=drop_last,
         )
 
-    def start(self, model, optimizer) -> CO2:
-        """CO2 joined to the job; a replacement returns with a live peer's state loaded."""
+    def build(self, model, optimizer) -> CO2:
+        """CO2 for this replica group, not joined to the job yet (a checkpoint loads first)."""
         from ..core.ft import TorchFT
 
-        trainer, before = self.trainer, self.trainer.state.global_step
+        trainer = self.trainer
         self.ft = TorchFT(trainer.co2_config, timeout_s=trainer.args.co2_timeout_s)
         scheduler = trainer.lr_scheduler
         state = {"trainer": (self._take_trainer_state, self._trainer_state)}
         if scheduler is not None:
             state["scheduler"] = (scheduler.load_state_dict, scheduler.state_dict)
-        co2 = self.ft.start(model, optimizer, state=state)
+        return self.ft.build(model, optimizer, state=state)
+
+    def own_state(self, saved: dict) -> dict:
+        """CO2's state from a checkpoint (replica group 0's), as this group's (`core.ft.own_state`);
+        another group says at WARNING what it takes from group 0."""
+        from ..core.ft import own_state
+
+        if saved.get("worker_index") != self.replica_id:
+            logger.warning(
+                "CO2: replica group %d resumes from replica group %s's checkpoint (only group 0 writes them): it "
+                "starts with group 0's local model and inner optimizer state, and with no coded-wire residuals",
+                self.replica_id,
+                saved.get("worker_index"),
+            )
+        return own_state(self.trainer.co2, saved)
+
+    def join(self) -> None:
+        """The first quorum: a replacement takes a live peer's state (over a checkpoint's, if it
+        loaded one). A job that then starts from step 0 while its output directory holds a
+        checkpoint stops: every replica was lost at once, and training on would overwrite it."""
+        trainer, before = self.trainer, self.trainer.state.global_step
+        self.ft.join(trainer.co2)
+        if trainer.state.global_step == 0:  # neither a checkpoint nor a peer gave it a step
+            self._refuse_a_restart_from_scratch()
         if trainer.state.global_step != before:
             self.rejoined_at = trainer.state.global_step
             logger.warning(
@@ -145,7 +167,21 @@ class Replica:
                 self.rejoined_at,
             )
         self._training = True
-        return co2
+
+    def _refuse_a_restart_from_scratch(self) -> None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        output_dir = self.trainer.args.output_dir
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            return
+        self.shutdown()
+        raise ValueError(
+            f"CO2: replica group {self.replica_id} starts the torchft job from step 0 (no replica group has trained "
+            f"state to give it: every one was lost, or this is a new job), but output_dir holds {last}. Training "
+            "on would overwrite it. Pass resume_from_checkpoint (that folder, or True for the last one) to every "
+            "replica group to continue from it, or another output_dir to start over."
+        )
 
     def step(self, **kwargs) -> None:
         """``CO2.step`` from the Trainer's optimizer step; then, a heal that moved this replica's

@@ -148,8 +148,6 @@ class CO2Trainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``Trainer.train``; a CO2 checkpoint is checked to be complete before any file is read."""
         if self.co2_config is not None and resume_from_checkpoint not in (None, False):
-            if self._replica is not None:
-                raise ValueError(fault_tolerance.NO_RESUME)
             if resume_from_checkpoint is True:  # the Trainer's own lookup; None: let it raise its error
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
             if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
@@ -201,12 +199,14 @@ class CO2Trainer(Trainer):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # would all-reduce at every step
             raise RuntimeError("CO2: the Trainer wrapped the model in DistributedDataParallel; please report this")
-        if self._replica is not None:  # joined to the torchft job; a replacement takes a live peer's state
-            self.co2 = self._replica.start(self.model, self._inner_optimizer())
+        if self._replica is not None:  # on torchft: joined to the job below
+            self.co2 = self._replica.build(self.model, self._inner_optimizer())
         else:
             self.co2 = CO2(self.model, self.co2_config, optimizer=self._inner_optimizer())
         if resume_from_checkpoint is not None:
             self._restore_co2(resume_from_checkpoint)
+        if self._replica is not None:  # a live peer's state, if one is ahead, replaces the checkpoint's
+            self._replica.join()
         return model, train_dataloader
 
     def _run_epoch(self, **kwargs):
@@ -505,6 +505,8 @@ class CO2Trainer(Trainer):
             return self._restore_co2_resharded(directory, sources)
         rank, world = self.args.process_index, self.args.world_size
         state = checkpoint.read_rank_state(directory, rank, world, verify=not verified)
+        if self._replica is not None:  # on torchft every replica group resumes from group 0's files
+            state = {**state, "co2": self._replica.own_state(state["co2"])}
         checkpoint.apply_rank_state(
             state,
             co2=self.co2,
