@@ -366,6 +366,55 @@ def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
         healer.shutdown()
 
 
+@pytest.mark.parametrize("quorum", ["errored", "group_not_set_up"])
+def test_a_coded_round_whose_quorum_group_did_not_form_is_dropped_not_raised(quorum):
+    """torchft sets a quorum's id before it configures the group, and a configure that fails (a
+    killed peer the Lighthouse still counts: the store connection times out) reports an error in
+    that quorum and leaves the group empty in the next quorums of that id, which report none. A
+    coded all-reduce (int8/int4/sparse) must then drop the round as torchft's own all-reduce
+    does, not raise out of a survivor's step (ft_kill.py --spares --comm_dtype int8 caught it)."""
+    from datetime import timedelta
+
+    import torch
+
+    from co2_hf.core.ft import GroupNotFormed, TorchFTCommunicator
+
+    reported = []
+
+    class Manager:  # the Manager's side a coded launch and commit touch
+        def num_participants(self) -> int:
+            return 2
+
+        def participating_rank(self) -> int:
+            return 0
+
+        def errored(self):
+            return reported[0] if reported else (RuntimeError("configure failed") if quorum == "errored" else None)
+
+        def report_error(self, error: Exception) -> None:
+            reported.append(error)
+
+        def should_commit(self) -> bool:
+            return self.errored() is None
+
+    class EmptyGroup:  # torchft's ProcessGroupWrapper whose configure failed
+        def size(self) -> int:
+            raise AssertionError("process group not initialized")
+
+    sent = []
+    comm = TorchFTCommunicator(
+        Manager(), None, pg=EmptyGroup(), timeout=timedelta(seconds=5), num_workers=2, worker_index=0
+    )
+    pending = comm.launch_coded(torch.ones(4), sent.append)
+    comm.wait(pending, timeout_s=5)
+    assert sent == []  # nothing was sent over the missing group
+    assert comm.commit(pending) is False and comm.dropped_rounds == 1
+    if quorum == "group_not_set_up":
+        assert len(reported) == 1 and isinstance(reported[0], GroupNotFormed)
+    else:
+        assert reported == []  # torchft reported it already
+
+
 def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(tmp_path, monkeypatch):
     for name in [k for k in os.environ if k.lower() in ("http_proxy", "https_proxy", "all_proxy")]:
         monkeypatch.delenv(name)

@@ -155,14 +155,14 @@ class TorchFTCommunicator(Communicator):
         """A coded all-reduce (int8/int4/sparse) over this quorum's group, off the main thread as
         over a plain process group. A failure is reported to the Manager, as its own all-reduce
         does: the round is then not committed (``commit``), and nothing is raised here."""
-        pending = Pending(tensor, senders=self.manager.num_participants())
-        collectives = QuorumCollectives(self.pg, self.manager, self.timeout)
+        pending = Pending(tensor, senders=self.manager.num_participants())  # waits for the quorum
+        # this round is lost already (the quorum's group did not form, a peer failed): send nothing
+        collectives = None if self.manager.errored() is not None else self._collectives()
         work, previous = BackgroundWork(), self._last_coded
         pending.work = self._last_coded = work
-        errored = self.manager.errored() is not None  # this round is lost already: send nothing
 
         def run() -> None:
-            if not errored:
+            if collectives is not None:
                 try:
                     reduce_(collectives)
                 except Exception as error:  # a participant died or stalled with it in flight
@@ -171,6 +171,17 @@ class TorchFTCommunicator(Communicator):
 
         work.start(run, after=previous)
         return pending
+
+    def _collectives(self) -> QuorumCollectives | None:
+        """This quorum's collectives, or None (reported to the Manager: the round is dropped) when
+        its group is not set up. torchft sets a quorum's id before it configures the group, so a
+        failed set-up (a killed peer still counted by the Lighthouse: the store connection times
+        out) leaves the group empty for the next quorums of the same id, which report no error."""
+        try:
+            return QuorumCollectives(self.pg, self.manager, self.timeout)
+        except GroupNotFormed as error:
+            self.manager.report_error(error)
+            return None
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
@@ -185,6 +196,10 @@ class TorchFTCommunicator(Communicator):
         raise RuntimeError("CO2 internal error: co2_sync_warmup_steps is refused with torchft (TorchFT checks)")
 
 
+class GroupNotFormed(RuntimeError):
+    """The quorum's process group was not set up: the round cannot be sent, and is dropped."""
+
+
 class QuorumCollectives:
     """The coded wires' two collectives (``core/collectives.py``) over the group of the Manager's
     current quorum: its participants, this replica's rank among them. Each waits ``timeout`` at
@@ -193,10 +208,14 @@ class QuorumCollectives:
     def __init__(self, pg: ProcessGroup, manager: Manager, timeout: timedelta) -> None:
         self.pg, self.timeout = pg, timeout
         self.world_size, self.rank = manager.num_participants(), manager.participating_rank()
-        if self.rank is None or self.world_size != pg.size():
+        try:
+            size = pg.size()
+        except AssertionError as error:  # torchft's wrapper holds no group: its configure failed
+            raise GroupNotFormed(f"the process group of torchft's quorum is not set up ({error})") from error
+        if self.rank is None or self.world_size != size:
             raise RuntimeError(
                 f"CO2 internal error: a coded all-reduce outside a quorum (rank {self.rank}, "
-                f"{self.world_size} participants, a group of {pg.size()})"
+                f"{self.world_size} participants, a group of {size})"
             )
 
     def all_to_all_(self, output: Tensor, input: Tensor) -> None:
