@@ -69,3 +69,6 @@ $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_quant \
   --method "co2_fp32=" --method "co2_int8=--co2_comm_dtype int8" --method "co2_int4=--co2_comm_dtype int4"
 # GPT at 2000 steps, seed 0: int8 on the wire, beside the streaming (fp32) row of gpt_2000 above
 $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_int8=--co2_comm_dtype int8" -- --eval_steps 200
+# The sparse wire (issue 26): 4 of 256 values in 2 bits, beside fp32, 3 seeds, one invocation
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse \
+  --method "co2_fp32=" --method "co2_sparse_k4_b2=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.015625 --co2_sparse_bits 2"
