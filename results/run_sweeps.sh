@@ -48,3 +48,6 @@ $S --steps 2400 --eval_every 200 --seeds 0 --jobs 1 --configs co2_int8 --out res
 # ... seeds 1 and 2 of int8 at 2400 steps, and of int8 and int4 at 600 (fp32: f12_look_b2 above)
 $S --steps 2400 --eval_every 200 --seeds 1 2 --jobs 1 --configs co2_int8 --out results/finalists_micro_2400_wire.jsonl
 $S --steps 600 --seeds 1 2 --jobs 1 --configs co2_int8 co2_int4 --out results/finalists_micro_600_wire.jsonl
+# The bytes frontier's sparse 4/256 2-bit row at 2400 steps, seeds 1 and 2 (seed 0 and the rest:
+# `python scripts/bytes_frontier.py --run --jobs 2`, which appends to results/frontier_micro.jsonl)
+$S --steps 2400 --eval_every 200 --seeds 1 2 --jobs 2 --configs co2_sparse_k4_b2 --out results/frontier_micro.jsonl
