@@ -441,13 +441,20 @@ def own_state(co2: CO2, saved: dict[str, Any]) -> dict[str, Any]:
     """A CO2 state from a checkpoint of this job (replica group 0 writes them), to load into this
     replica group's engine before it joins: with its own worker index, and with the checkpoint's
     residuals only if this group wrote it (another group's would be sent twice; this one's own
-    were not saved, so they start from zeros)."""
+    were not saved, so they start from zeros, which a WARNING says)."""
     if saved.get("num_workers") != co2.comm.num_workers:
         raise ValueError(
             f"the CO2 checkpoint was saved by a job of {saved.get('num_workers')!r} replica groups, this one "
             f"has {NUM_REPLICAS_ENV}={co2.comm.num_workers}: resume it with the same {NUM_REPLICAS_ENV}"
         )
     wrote_it = saved.get("worker_index") == co2.comm.worker_index
+    if not wrote_it:
+        logger.warning(
+            "CO2: replica group %d resumes from replica group %s's checkpoint (only group 0 writes them): it "
+            "starts with group 0's local model and inner optimizer state, and with no coded-wire residuals",
+            co2.comm.worker_index,
+            saved.get("worker_index"),
+        )
     residuals = [part["residuals"] for part in saved["fragments"]] if wrote_it else _zero_residuals(co2)
     return _as_this_replica(co2, saved, residuals)
 

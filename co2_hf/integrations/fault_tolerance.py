@@ -137,17 +137,9 @@ class Replica:
         return self.ft.build(model, optimizer, state=state)
 
     def own_state(self, saved: dict) -> dict:
-        """CO2's state from a checkpoint (replica group 0's), as this group's (`core.ft.own_state`);
-        another group says at WARNING what it takes from group 0."""
+        """CO2's state from a checkpoint (replica group 0's), as this group's (`core.ft.own_state`)."""
         from ..core.ft import own_state
 
-        if saved.get("worker_index") != self.replica_id:
-            logger.warning(
-                "CO2: replica group %d resumes from replica group %s's checkpoint (only group 0 writes them): it "
-                "starts with group 0's local model and inner optimizer state, and with no coded-wire residuals",
-                self.replica_id,
-                saved.get("worker_index"),
-            )
         return own_state(self.trainer.co2, saved)
 
     def join(self) -> None:
