@@ -113,6 +113,18 @@ class CO2Config:
     co2_sparse_bits: int = _knob(
         2, "With co2_comm_dtype='sparse': bits per sent value, 2 or 4 (one float32 scale per block)."
     )
+    co2_sparse_keep_unsent: bool = _knob(
+        True,
+        "With co2_comm_dtype='sparse': each worker's model keeps its own progress that top-k has not "
+        "sent yet (its error-feedback residual) instead of returning to the anchor's values until it "
+        "is sent. The anchor is the same either way; False is the plain error feedback of SparseLoCo.",
+    )
+    co2_sparse_feedback_decay: float = _knob(
+        1.0,
+        "With co2_comm_dtype='sparse': in (0, 1], what the error-feedback residual (the values not "
+        "yet sent) is multiplied by before each round's outer gradient joins it: 1 sends all of it "
+        "eventually; below 1 old leftovers fade (SparseLoCo uses 0.95).",
+    )
     co2_quant_rounding: Literal["nearest", "stochastic"] = _knob(
         "nearest",
         "With co2_comm_dtype int8/int4: round each value to the 'nearest' code or 'stochastic'ally "
@@ -147,7 +159,7 @@ class CO2Config:
         Numbers of other numeric types (``numpy.int64(4)``, ``numpy.float32(0.5)``) are accepted and
         stored as Python ``int`` / ``float``, so that the config saves as JSON like any other."""
         self._normalise_numbers()
-        for name in ("co2_enabled", "co2_nesterov", "co2_overlap"):
+        for name in ("co2_enabled", "co2_nesterov", "co2_overlap", "co2_sparse_keep_unsent"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
         _check_int(self, "co2_local_steps", minimum=1)
         _check_int(self, "co2_sync_warmup_steps", minimum=0)
@@ -225,6 +237,8 @@ class CO2Config:
         density, bits = self.co2_sparse_density, self.co2_sparse_bits
         _check("co2_sparse_density", density, _is_real(density) and 0 < density <= 1, "a number in (0, 1]")
         _check("co2_sparse_bits", bits, bits in SPARSE_BITS and not isinstance(bits, bool), "2 or 4")
+        decay = self.co2_sparse_feedback_decay
+        _check("co2_sparse_feedback_decay", decay, _is_real(decay) and 0 < decay <= 1, "a number in (0, 1]")
         block = self.co2_quant_block
         if self.co2_comm_dtype == "sparse" and block > MAX_SPARSE_BLOCK:
             raise ValueError(

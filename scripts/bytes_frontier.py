@@ -44,11 +44,17 @@ FRONTIER = [
     ("CO2 bf16", "co2_bf16"),
     ("CO2 int8", "co2_int8"),
     ("CO2 int4", "co2_int4"),
-    ("CO2 sparse 2/256 2-bit", "co2_sparse_k2_b2"),
-    ("CO2 sparse 4/256 2-bit", "co2_sparse_k4_b2"),
-    ("CO2 sparse 4/256 4-bit", "co2_sparse_k4_b4"),
-    ("CO2 sparse 8/256 2-bit", "co2_sparse_k8_b2"),
-    ("CO2 sparse 4/256 2-bit, beta 0", "co2_sparse_k4_b2_m0"),
+    # the sparse wire with plain error feedback (co2_sparse_keep_unsent=False) ...
+    ("CO2 sparse 2/256 2-bit, plain EF", "co2_sparse_k2_b2"),
+    ("CO2 sparse 4/256 2-bit, plain EF", "co2_sparse_k4_b2"),
+    ("CO2 sparse 4/256 4-bit, plain EF", "co2_sparse_k4_b4"),
+    ("CO2 sparse 8/256 2-bit, plain EF", "co2_sparse_k8_b2"),
+    ("CO2 sparse 4/256 2-bit, plain EF, beta 0", "co2_sparse_k4_b2_m0"),
+    # ... and as it is by default, each worker's model keeping its unsent progress
+    ("CO2 sparse 2/256 2-bit, keep unsent", "co2_sparse_k2_b2_keep"),
+    ("CO2 sparse 3/256 2-bit, keep unsent", "co2_sparse_k3_b2_keep"),
+    ("CO2 sparse 4/256 2-bit, keep unsent", "co2_sparse_k4_b2_keep"),
+    ("CO2 sparse 8/256 2-bit, keep unsent", "co2_sparse_k8_b2_keep"),
 ]
 ALIASES = {"f12_look_b2": "co2"}
 BUDGETS = {600: 50, 2400: 200}  # steps -> eval_every, as the earlier sweeps ran them
@@ -153,7 +159,11 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
                 continue
             losses = list(mine.values())
             mean = sum(losses) / len(losses)
-            marker = "s" if "sparse" in name else ("^" if name in ("dp", "local_sgd", "slowmo") else "o")
+            marker = "o"
+            if "sparse" in name:
+                marker = "D" if name.endswith("_keep") else "s"
+            elif name in ("dp", "local_sgd", "slowmo"):
+                marker = "^"
             ax.errorbar(
                 nbytes[name],
                 mean,

@@ -121,25 +121,42 @@ CONFIGS.update(
         "co2_int4_b32": dict(co2_comm_dtype="int4", co2_quant_block=32),
     }
 )
-# CO2Config() with the sparse wire (core/sparse.py) in blocks of 256: co2_sparse_k{kept per block}_b{bits},
-# "_m0" without outer momentum (SparseLoCo's choice), "_anchor" with every round starting at the anchor
-# (the lookahead start predicts the anchor's move from the worker's own dense outer gradient, which
-# the sparse average does not follow)
+# CO2Config() with the sparse wire (core/sparse.py) in blocks of 256, co2_sparse_k{kept per block}_b{bits}:
+# "_keep" is co2_sparse_keep_unsent=True (the default since it was measured: each worker's model keeps
+# its unsent progress); the names without it are the plain error feedback of the first study (False).
+# Suffixes: "_m0" without outer momentum (SparseLoCo's choice), "_anchor" with every round starting at
+# the anchor (the lookahead start predicts the anchor's move from the worker's own dense outer
+# gradient, which the sparse average does not follow), "_d{d}" with a fading error-feedback residual
+# (co2_sparse_feedback_decay = d/100; SparseLoCo pairs 0.95 with no outer momentum).
+_SPARSE_SUFFIXES = {
+    "": {},
+    "_m0": dict(co2_outer_momentum=0.0),
+    "_anchor": dict(co2_start_rule="anchor"),
+    "_anchor_m0": dict(co2_start_rule="anchor", co2_outer_momentum=0.0),
+    **{f"_d{d}": dict(co2_sparse_feedback_decay=d / 100) for d in (80, 90, 95)},
+    **{f"_d{d}_m0": dict(co2_sparse_feedback_decay=d / 100, co2_outer_momentum=0.0) for d in (80, 90, 95)},
+}
 CONFIGS.update(
     {
-        f"co2_sparse_k{keep}_b{bits}{suffix}": dict(
-            co2_comm_dtype="sparse", co2_quant_block=256, co2_sparse_density=keep / 256, co2_sparse_bits=bits, **knobs
+        f"co2_sparse_k{keep}_b{bits}{held_name}{suffix}": dict(
+            co2_comm_dtype="sparse",
+            co2_quant_block=256,
+            co2_sparse_density=keep / 256,
+            co2_sparse_bits=bits,
+            co2_sparse_keep_unsent=held,
+            **knobs,
         )
-        for keep in (2, 4, 8)
+        for keep in (2, 3, 4, 8)
         for bits in (2, 4)
-        for suffix, knobs in (
-            ("", {}),
-            ("_m0", dict(co2_outer_momentum=0.0)),
-            ("_anchor", dict(co2_start_rule="anchor")),
-            ("_anchor_m0", dict(co2_start_rule="anchor", co2_outer_momentum=0.0)),
-        )
+        for held_name, held in (("", False), ("_keep", True))
+        for suffix, knobs in _SPARSE_SUFFIXES.items()
     }
 )
+
+# the sparse wire's own defaults (blocks of 128, 2 values kept, 2 bits), with and without the unsent
+# progress kept
+CONFIGS["co2_sparse"] = dict(co2_comm_dtype="sparse")
+CONFIGS["co2_sparse_plain"] = dict(co2_comm_dtype="sparse", co2_sparse_keep_unsent=False)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,8 @@ BAD_FLAGS = [
     ("co2_sparse_density", "0", "a number in (0, 1]"),
     ("co2_sparse_density", "1.5", "a number in (0, 1]"),
     ("co2_sparse_bits", "3", "2 or 4"),
+    ("co2_sparse_keep_unsent", "maybe", "expected one of yes/no"),
+    ("co2_sparse_feedback_decay", "0", "a number in (0, 1]"),
     ("co2_sync_warmup_steps", "-1", "integer >= 0"),
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),

@@ -89,6 +89,22 @@ def test_error_feedback_loses_nothing_and_the_residual_stays_bounded(bits, stoch
     assert (meant - sent).norm() < 0.05 * meant.norm() + 20 * x.norm()
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_a_fading_residual_sends_the_top_k_of_the_new_values_plus_the_decayed_leftovers(bits):
+    n = sparse_padded_numel(64 * 16, block=64)
+    feedback, decay = SparseFeedback(n, decay=0.9), 0.9
+    how = dict(block=64, keep=2, bits=bits)
+    for t in range(20):
+        x = _x(seed=t)
+        target = decay * feedback.residual + x  # what this round owes: the new values and 0.9 x the old
+        payload = feedback.compress(x, stochastic=False, **how)
+        for got, want in zip(payload, encode(target.clone(), stochastic=False, **how)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(feedback.residual, target - decode(*payload, **how), atol=1e-5, rtol=1e-6)
+    # the leftovers fade instead of piling up: a block never sent holds a geometric sum, not 20 rounds
+    assert feedback.residual.norm() < 10 * x.norm()
+
+
 def test_one_rank_reduces_to_its_own_decoded_payload_and_the_exact_tail():
     # 200 values: 4 blocks of 64, 12 index bytes and 3 code bytes, so the scales start unaligned
     x, header = _x()[:200], torch.tensor([1.0, 2.5])
@@ -173,9 +189,43 @@ def test_the_engine_sends_each_fragment_s_predicted_bytes(monkeypatch):
     assert sorted(sizes) == sorted(predicted[0:1] * 3 + predicted[1:2] * 3 + predicted[2:3] * 2)
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_a_checkpoint_with_its_residual_and_a_fragment_in_flight_resumes_bit_for_bit(rounding):
-    config = CO2Config(co2_quant_rounding=rounding, **SPARSE)
+@pytest.mark.parametrize("keep_unsent", [True, False])
+def test_without_overlap_each_worker_starts_its_round_at_the_anchor_less_its_unsent_progress(keep_unsent):
+    config = CO2Config(co2_overlap=False, co2_sparse_keep_unsent=keep_unsent, **{**SPARSE, "co2_fragments": 1})
+    run = Workers(config)
+    for stop in (6, 12, 18):  # three boundaries
+        run.train(stop - 6, stop)
+        for model, engine in zip(run.models, run.engines):
+            anchor = engine.anchor_state()
+            trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the layout's order
+            live = torch.cat([p.detach().flatten() for _, p in trained])
+            held = torch.cat([anchor[name].flatten() for name, _ in trained])
+            unsent = engine.fragments[0].codec.feedback.residual[: live.numel()]
+            assert unsent.abs().sum() > 0
+            # kept: the model is ahead of the anchor by exactly what it still owes the average
+            torch.testing.assert_close(live, held - unsent if keep_unsent else held, rtol=0, atol=1e-6)
+
+
+def test_a_sparse_checkpoint_written_before_keep_unsent_existed_resumes_only_as_it_trained():
+    def saved_without_the_setting(config: CO2Config) -> list[dict]:
+        run = Workers(config)
+        run.train(0, 7)
+        saved = run.save()
+        for state in saved:
+            del state["co2"]["config"]["co2_sparse_keep_unsent"]
+        return saved
+
+    old = saved_without_the_setting(CO2Config(co2_sparse_keep_unsent=False, **SPARSE))
+    with pytest.raises(ValueError, match=r"co2_sparse_keep_unsent: checkpoint False, now True"):
+        Workers(CO2Config(**SPARSE), saved=old)
+    Workers(CO2Config(co2_sparse_keep_unsent=False, **SPARSE), saved=old).train(7, 9)
+    # another wire never used the setting: its old checkpoints resume under the default
+    Workers(CO2Config(co2_local_steps=6), saved=saved_without_the_setting(CO2Config(co2_local_steps=6)))
+
+
+@pytest.mark.parametrize(("rounding", "keep_unsent"), [("nearest", True), ("stochastic", True), ("nearest", False)])
+def test_a_checkpoint_with_its_residual_and_a_fragment_in_flight_resumes_bit_for_bit(rounding, keep_unsent):
+    config = CO2Config(co2_quant_rounding=rounding, co2_sparse_keep_unsent=keep_unsent, **SPARSE)
     straight = Workers(config)
     straight.train(0, 20)
     expected = straight.finish()
@@ -229,6 +279,10 @@ def test_a_non_finite_worker_sends_zeros_with_weight_0_and_keeps_its_residual(ca
         (dict(co2_sparse_density=0.0), r"co2_sparse_density=0.0 is not allowed: it must be a number in \(0, 1\]"),
         (dict(co2_sparse_density=1.5), r"co2_sparse_density=1.5 is not allowed"),
         (dict(co2_sparse_bits=3), r"co2_sparse_bits=3 is not allowed: it must be 2 or 4"),
+        (
+            dict(co2_sparse_feedback_decay=0),
+            r"co2_sparse_feedback_decay=0 is not allowed: it must be a number in \(0, 1\]",
+        ),
         (
             dict(co2_comm_dtype="sparse", co2_quant_block=512),
             r"co2_quant_block=512 is not allowed with co2_comm_dtype='sparse'",

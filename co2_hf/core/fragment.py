@@ -95,7 +95,10 @@ class Fragment:
         self._keeps_buffer = plan.fragments == 1
         self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
         self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory)
-        self.start = make_start_rule(plan, config, self._momentum, layout.param_local, **zeros)
+        self._holds_unsent = isinstance(self.codec, SparseWire) and config.co2_sparse_keep_unsent
+        self.start = make_start_rule(
+            plan, config, self._momentum, layout.param_local, holds_unsent=self._holds_unsent, **zeros
+        )
         self.penalty = make_penalty(plan, config, layout, self.device)  # P = 1 unless updates are stale
         # a fragment's momentum is clipped to phi * sqrt(its share of the parameters), so that the
         # whole momentum's norm stays <= phi (1 with one fragment)
@@ -235,6 +238,7 @@ class Fragment:
         self._receive()  # D_{t-1}: none at round 0
         self._direction()  # its base a_{t-1} is one anchor move old: stale (the plan's penalty)
         finite = self._exchange()  # applies D_{t-1} while writing d_t
+        self._hold_unsent()  # before the launch: the coded all-reduce changes the residual off-thread
         self._launch(finite)
         self._reset()
         return finite
@@ -245,6 +249,7 @@ class Fragment:
         self._receive()  # D_t, right away
         self._direction()  # fresh: the plan has no penalty without overlap
         self._apply()
+        self._hold_unsent()  # what d_t left unsent, now coded
         self._reset()
         self._release_if_idle()
         return finite
@@ -408,9 +413,19 @@ class Fragment:
             return  # the round's average was skipped: nothing moved
         self.live.shift(self._anchor_move)
         self.start.clear_()
+        self._hold_unsent()  # the all-reduce just received has coded the residual
         self._anchor_news = False
 
     # ------------------------------------------------------------------ helpers of the phases
+
+    def _hold_unsent(self) -> None:
+        """``o <- o + r``: with ``co2_sparse_keep_unsent`` the worker's next start keeps its own progress
+        that the sparse wire has not sent yet (its error-feedback residual ``r``), instead of
+        dropping it from its model until top-k picks it. The anchor does not change; ``d`` is
+        measured from this start, so what the worker owes stays ``d + r``. Read only while no coded
+        all-reduce of this fragment is in flight (the residual is its to write)."""
+        if self._holds_unsent:
+            self.start.offset.add_(self.codec.unsent[: self.start.offset.numel()])
 
     def _take_step(self) -> Tensor | None:
         """The step v of the D waiting in the buffer, which counts as applied from now (None: none)."""
@@ -441,6 +456,8 @@ class Fragment:
         move = self.live.scratch(hi - lo)
         torch.mul(self._step_v[lo:mid], -self.config.co2_outer_lr, out=move[: mid - lo])
         self.start.add_offset_(move[: mid - lo], lo, mid)
+        if self._holds_unsent:
+            move[: mid - lo].sub_(self.codec.unsent[lo:mid])  # ... less the unsent progress kept
         move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
         return move
 
@@ -481,6 +498,7 @@ def _codec(
             block=config.co2_quant_block,
             keep=config.sparse_keep,
             bits=config.co2_sparse_bits,
+            decay=config.co2_sparse_feedback_decay,
             dense=numel - layout.param_local,
             pin_memory=pin_memory,
             **how,

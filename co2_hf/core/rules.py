@@ -116,6 +116,14 @@ class LookaheadStart(_OffsetStart):
         )
 
 
+class HeldAnchorStart(_OffsetStart):
+    """``anchor`` where the engine keeps something in the start (the sparse wire's unsent progress,
+    ``co2_sparse_keep_unsent``): ``o <- 0`` at each boundary, and the engine adds to it."""
+
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+        self.offset[lo:mid].zero_()
+
+
 START_RULES = {"anchor": AnchorStart, "eager": EagerStart, "lookahead": LookaheadStart}
 
 
@@ -132,9 +140,15 @@ def warn_about_start_rule(plan: Plan) -> None:
         )
 
 
-def make_start_rule(plan: Plan, config: CO2Config, momentum: Tensor, numel: int, **zeros) -> AnchorStart:
-    """The start rule the plan resolved (without overlap: ``anchor``)."""
-    return START_RULES[plan.start_rule](config, momentum, numel, **zeros)
+def make_start_rule(
+    plan: Plan, config: CO2Config, momentum: Tensor, numel: int, *, holds_unsent: bool = False, **zeros
+) -> AnchorStart:
+    """The start rule the plan resolved (without overlap: ``anchor``); one with an offset where the
+    engine holds the sparse wire's unsent progress in it (``holds_unsent``)."""
+    rule = START_RULES[plan.start_rule]
+    if holds_unsent and rule is AnchorStart:
+        rule = HeldAnchorStart
+    return rule(config, momentum, numel, **zeros)
 
 
 # ------------------------------------------------------------------------------------ penalties

@@ -96,16 +96,23 @@ def decode(indices: Tensor, codes: Tensor, scales: Tensor, *, block: int, keep: 
 
 
 class SparseFeedback:
-    """One rank's residual ``r``: `compress` sends ``S(x + r)`` and keeps ``r <- x + r - deS(S(x + r))``
-    (the values not kept, and the kept values' rounding errors). ``residual`` is checkpoint state."""
+    """One rank's residual ``r``: `compress` sends ``S(x + c r)`` and keeps ``r <- x + c r - deS(S(x + c r))``
+    (the values not kept, and the kept values' rounding errors), with ``c = decay``: 1 loses nothing
+    over rounds; below 1 a leftover that top-k keeps passing over fades instead of waiting to be sent
+    stale (SparseLoCo's error feedback). ``residual`` is checkpoint state."""
 
-    def __init__(self, numel: int, *, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+    def __init__(
+        self, numel: int, *, decay: float = 1.0, device: torch.device | str = "cpu", pin_memory: bool = False
+    ) -> None:
+        self.decay = decay
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin_memory)
 
     def compress(self, x: Tensor, *, block: int, keep: int, bits: int, **how) -> tuple[Tensor, Tensor, Tensor]:
-        """The payload of ``x + r``; ``x`` may be shorter than the residual (the rest counts as zeros)."""
+        """The payload of ``x + c r``; ``x`` may be shorter than the residual (the rest counts as zeros)."""
         target = self.residual
-        target[: x.numel()].add_(x)  # x + r, in the residual's memory
+        if self.decay != 1.0:
+            target.mul_(self.decay)
+        target[: x.numel()].add_(x)  # x + c r, in the residual's memory
         indices, codes, scales = encode(target, block=block, keep=keep, bits=bits, **how)
         sent = decode_values(codes, scales, keep=keep, bits=bits)
         # only the kept positions change: subtract what was sent there (no dense copy of it)
@@ -179,14 +186,14 @@ class SparseWire:
         seed: int,
         dense: int,
         device: torch.device,
+        decay: float = 1.0,
         pin_memory: bool = False,
     ) -> None:
         _check(block=block, keep=keep, bits=bits)
         self.block, self.keep, self.bits, self.stochastic, self.seed = block, keep, bits, stochastic, seed
         self.sparse_numel, self.dense = numel - dense, dense
-        self.feedback = SparseFeedback(
-            sparse_padded_numel(self.sparse_numel, block=block), device=device, pin_memory=pin_memory
-        )
+        padded = sparse_padded_numel(self.sparse_numel, block=block)
+        self.feedback = SparseFeedback(padded, decay=decay, device=device, pin_memory=pin_memory)
 
     def all_reduce_(
         self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool, round_index: int
@@ -212,6 +219,12 @@ class SparseWire:
         )
         x[m:].copy_(both[: self.dense])
         exact.view(-1).copy_(both[self.dense :])
+
+    @property
+    def unsent(self) -> Tensor:
+        """What this rank has not sent yet of its outer gradients (the error-feedback residual), by
+        position in the fragment's parameters (then padding). Written by `all_reduce_`."""
+        return self.feedback.residual
 
     def sent_nbytes(self, world: int, header_numel: int) -> int:
         """Bytes this rank sends per all-reduce (ring all-gather), for ``world`` workers."""
