@@ -114,10 +114,12 @@ class CO2Config:
         2, "With co2_comm_dtype='sparse': bits per sent value, 2 or 4 (one float32 scale per block)."
     )
     co2_sparse_keep_unsent: bool = _knob(
-        True,
+        False,
         "With co2_comm_dtype='sparse': each worker's model keeps its own progress that top-k has not "
         "sent yet (its error-feedback residual) instead of returning to the anchor's values until it "
-        "is sent. The anchor is the same either way; False is the plain error feedback of SparseLoCo.",
+        "is sent. The average is the same rule; the workers train faster but the anchor (the model "
+        "you get) can lag them where the wire cannot keep up: measure before you switch it on "
+        "(docs/algorithm.md, section 18).",
     )
     co2_sparse_feedback_decay: float = _knob(
         1.0,

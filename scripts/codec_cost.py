@@ -8,7 +8,8 @@ One round of one rank of a 2-worker world, transport left out: the collectives h
 rows back as if both ranks had sent them (`Mirror`), so every pass a rank makes runs on real sizes:
 int8/int4 quantize with error feedback, decode and sum 2 slices, re-quantize the owned slice with
 its residual, decode the gathered codes; sparse top-k with its residual, decode and scatter-add 2
-rows. ``old`` is the dense codec as it was before the cost cut (kept here, verbatim in what it
+rows; and what keeping the unsent progress (``co2_sparse_keep_unsent``) adds on the compute thread.
+``old`` is the dense codec as it was before the cost cut (kept here, verbatim in what it
 computes), ``new`` is ``co2_hf.core.quant``; the two must give identical bits, checked every repeat.
 Repeats alternate old and new so that a busy machine slows both alike; the median and the fastest
 round are reported (on a shared machine the fastest is closest to the codec's own cost).
@@ -126,6 +127,16 @@ def _sparse_round(bits: int, keep: int, x: Tensor, feedback: sparse.SparseFeedba
     return time.perf_counter() - start
 
 
+def _hold_round(offset: Tensor, move: Tensor, unsent: Tensor) -> float:
+    """co2_sparse_keep_unsent's work on the compute thread per fragment round: the residual added to
+    the start offset at the boundary and at the in-round apply, and taken from the apply's move."""
+    start = time.perf_counter()
+    offset.add_(unsent)
+    move.sub_(unsent)
+    offset.add_(unsent)
+    return time.perf_counter() - start
+
+
 def measure(numel: int, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(numel, generator=g) * 1e-3 for _ in range(repeats + 1)]
@@ -155,6 +166,9 @@ def measure(numel: int, repeats: int) -> list[dict]:
         feedback = sparse.SparseFeedback(sparse.sparse_padded_numel(numel, block=256))
         ts = [_sparse_round(bits, keep, x, feedback) for x in xs][1:]
         lines.append(_line(f"sparse k{keep}/256 {bits}-bit", "new", numel, ts))
+    offset, move, unsent = torch.zeros(numel), torch.zeros(numel), feedback.residual[:numel]
+    ts = [_hold_round(offset, move, unsent) for _ in xs][1:]
+    lines.append(_line("sparse keep unsent (compute thread)", "new", numel, ts))
     return lines
 
 

@@ -122,8 +122,8 @@ CONFIGS.update(
     }
 )
 # CO2Config() with the sparse wire (core/sparse.py) in blocks of 256, co2_sparse_k{kept per block}_b{bits}:
-# "_keep" is co2_sparse_keep_unsent=True (the default since it was measured: each worker's model keeps
-# its unsent progress); the names without it are the plain error feedback of the first study (False).
+# "_keep" is co2_sparse_keep_unsent=True (each worker's model keeps its unsent progress); the names
+# without it are the plain error feedback (False, the default).
 # Suffixes: "_m0" without outer momentum (SparseLoCo's choice), "_anchor" with every round starting at
 # the anchor (the lookahead start predicts the anchor's move from the worker's own dense outer
 # gradient, which the sparse average does not follow), "_d{d}" with a fading error-feedback residual
@@ -153,10 +153,10 @@ CONFIGS.update(
     }
 )
 
-# the sparse wire's own defaults (blocks of 128, 2 values kept, 2 bits), with and without the unsent
-# progress kept
+# the sparse wire's own defaults (blocks of 128, 2 values kept, 2 bits, plain error feedback), and
+# with the unsent progress kept
 CONFIGS["co2_sparse"] = dict(co2_comm_dtype="sparse")
-CONFIGS["co2_sparse_plain"] = dict(co2_comm_dtype="sparse", co2_sparse_keep_unsent=False)
+CONFIGS["co2_sparse_keep"] = dict(co2_comm_dtype="sparse", co2_sparse_keep_unsent=True)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ ADDED_SETTINGS = {
     "co2_sparse_density": 1 / 64,
     "co2_sparse_bits": 2,
     "co2_sparse_feedback_decay": 1.0,
-    "co2_sparse_keep_unsent": True,  # only a sparse wire's checkpoints said otherwise: `upgrade`
+    "co2_sparse_keep_unsent": False,
 }
 # load_state_dict resumes exactly; another number of workers goes through core/reshard.py
 ELSEWHERE = "; to resume on another number of workers, re-shard the state (co2_hf.core.reshard.load_resharded)"
@@ -74,21 +74,12 @@ def from_dict(cls: type, saved: dict[str, Any]) -> Any:
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
     """A format-1 state as format 2 (one fragment); format 2 with every added setting filled in."""
     if saved.get("format") != 1:
-        return {**saved, "config": _filled(saved["config"])} if "config" in saved else saved
+        return {**saved, "config": {**ADDED_SETTINGS, **saved["config"]}} if "config" in saved else saved
     counters = {k: saved["counters"][_FORMAT_1_NAMES.get(k, k)] for k in asdict(FragmentProgress())}
     fragment = {"buffer": saved["buffer"], "own_outer_grad": saved["own_outer_grad"], "counters": counters}
     clock = {k: saved["counters"][k] for k in asdict(Progress())}
-    config = _filled(saved["config"])
+    config = {**ADDED_SETTINGS, **saved["config"]}
     return {**saved, "format": 2, "config": config, "counters": clock, "fragments": [fragment]}
-
-
-def _filled(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config with every setting added since it was written, at the value it trained with:
-    a sparse wire written before co2_sparse_keep_unsent existed dropped its unsent progress."""
-    added = dict(ADDED_SETTINGS)
-    if config.get("co2_comm_dtype") == "sparse":
-        added["co2_sparse_keep_unsent"] = False
-    return {**added, **config}
 
 
 def check_compatible(
