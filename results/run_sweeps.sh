@@ -51,3 +51,18 @@ $S --steps 600 --seeds 1 2 --jobs 1 --configs co2_int8 co2_int4 --out results/fi
 # The bytes frontier's sparse 4/256 2-bit row at 2400 steps, seeds 1 and 2 (seed 0 and the rest:
 # `python scripts/bytes_frontier.py --run --jobs 2`, which appends to results/frontier_micro.jsonl)
 $S --steps 2400 --eval_every 200 --seeds 1 2 --jobs 2 --configs co2_sparse_k4_b2 --out results/frontier_micro.jsonl
+# The sparse wire, issue 26 (stop 39): SparseLoCo's fading error feedback (co2_sparse_feedback_decay,
+# "_d{d}"), with and without outer momentum, 4 of 256 at 2 bits, seed 0 ...
+$S --steps 600 --seeds 0 --configs co2_sparse_k4_b2_d95 co2_sparse_k4_b2_d95_m0 co2_sparse_k4_b2_d90 \
+  co2_sparse_k4_b2_d90_m0 --out results/screen_micro_600_sparse_decay.jsonl
+# ... and each worker keeping its unsent progress (co2_sparse_keep_unsent, "_keep"),
+# 3 seeds at 600 steps and 4 of 256 at 2400 (two invocations side by side, --jobs 1 each)
+$S --steps 600 --seeds 0 1 2 --jobs 1 --configs co2_sparse_k4_b2_keep co2_sparse_k3_b2_keep co2_sparse_k8_b2_keep \
+  --out results/frontier_micro.jsonl
+$S --steps 2400 --eval_every 200 --seeds 0 1 2 --jobs 1 --configs co2_sparse_k4_b2_keep --out results/frontier_micro.jsonl
+# ... and beside them, seed 0: 3 of 256 with plain error feedback, 2 of 256 kept, and 4 of 256 kept without
+# outer momentum and with the fading residual
+$S --steps 600 --seeds 0 --jobs 1 --configs co2_sparse_k3_b2 co2_sparse_k2_b2_keep co2_sparse_k4_b2_keep_m0 \
+  co2_sparse_k4_b2_keep_d95 --out results/screen_micro_600_sparse_keep.jsonl
+# ... and 4 of 256 kept and plain with 2 workers (the GPT recipe's count), seed 0
+$S --workers 2 --steps 600 --seeds 0 --configs co2_sparse_k4_b2_keep co2_sparse_k4_b2 --out results/screen_micro_600_sparse_keep_w2.jsonl

@@ -151,7 +151,7 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 5))
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 7.5))
     for ax, steps in zip(axes, BUDGETS):
         for index, (label, name) in enumerate(FRONTIER):
             mine = runs.get((name, steps), {})
@@ -178,7 +178,7 @@ def plot(runs: dict, nbytes: dict[str, float], path: Path) -> None:
         ax.set_ylabel("final validation loss")
         ax.set_title(f"{steps} steps, tau {TAU}, {WORKERS} workers (micro GPT-2)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

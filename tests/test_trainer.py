@@ -251,7 +251,9 @@ def test_torchft_without_its_extra_is_refused_naming_the_extra(tmp_path, monkeyp
 
     import co2_hf.core
 
-    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: importing it fails
+    # as if not installed: importing it, or any of its modules an earlier test imported, fails
+    for name in ["torchft", *(n for n in list(sys.modules) if n.startswith("torchft."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "co2_hf.core.ft", raising=False)
     monkeypatch.delattr(co2_hf.core, "ft", raising=False)
     with pytest.raises(ValueError, match=r"needs torchft: pip install 'co2_hf\[ft\]'"):

@@ -26,7 +26,8 @@ STATE_FORMAT = 2
 RESUMABLE_CHANGES = ("co2_timeout_s", "co2_max_skipped_rounds")
 # Settings added since format 1, with the value every older checkpoint was trained with (a float32
 # or bfloat16 wire, where the quantizer's knobs had no effect, read as their defaults; the sparse
-# wire's knobs, added with it, had no effect on any wire before it).
+# wire's knobs, added with it, had no effect on any wire before it; its fading residual and kept
+# unsent progress came later, and their defaults are what it did before).
 ADDED_SETTINGS = {
     "co2_fragments": 1,
     "co2_quant_block": 128,

@@ -72,3 +72,10 @@ $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method 
 # The sparse wire (issue 26): 4 of 256 values in 2 bits, beside fp32, 3 seeds, one invocation
 $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse \
   --method "co2_fp32=" --method "co2_sparse_k4_b2=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.015625 --co2_sparse_bits 2"
+# ... and with each worker keeping its unsent progress (co2_sparse_keep_unsent), 4 of 256 in 2 bits, beside
+# fp32, 3 seeds (seed 2 of the sparse row in a second invocation); then 3 of 256 with plain error
+# feedback (the wire's default), the setting at >= 50x fewer bytes
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep --method "co2_fp32=" \
+  --method "co2_sparse_k4_b2_keep=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.015625 --co2_sparse_bits 2 --co2_sparse_keep_unsent true"
+$C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep \
+  --method "co2_sparse_k3_b2=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.01171875 --co2_sparse_bits 2"
