@@ -50,7 +50,7 @@ FRONTIER = [
     ("CO2 sparse 4/256 4-bit, plain EF", "co2_sparse_k4_b4"),
     ("CO2 sparse 8/256 2-bit, plain EF", "co2_sparse_k8_b2"),
     ("CO2 sparse 4/256 2-bit, plain EF, beta 0", "co2_sparse_k4_b2_m0"),
-    # ... and as it is by default, each worker's model keeping its unsent progress
+    # ... and with each worker's model keeping its unsent progress (co2_sparse_keep_unsent=True)
     ("CO2 sparse 2/256 2-bit, keep unsent", "co2_sparse_k2_b2_keep"),
     ("CO2 sparse 3/256 2-bit, keep unsent", "co2_sparse_k3_b2_keep"),
     ("CO2 sparse 4/256 2-bit, keep unsent", "co2_sparse_k4_b2_keep"),

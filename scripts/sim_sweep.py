@@ -133,8 +133,11 @@ _SPARSE_SUFFIXES = {
     "_m0": dict(co2_outer_momentum=0.0),
     "_anchor": dict(co2_start_rule="anchor"),
     "_anchor_m0": dict(co2_start_rule="anchor", co2_outer_momentum=0.0),
-    **{f"_d{d}": dict(co2_sparse_feedback_decay=d / 100) for d in (80, 90, 95)},
-    **{f"_d{d}_m0": dict(co2_sparse_feedback_decay=d / 100, co2_outer_momentum=0.0) for d in (80, 90, 95)},
+    **{
+        f"_d{d}{m0}": dict(co2_sparse_feedback_decay=d / 100, **momentum)
+        for d in (80, 90, 95)
+        for m0, momentum in (("", {}), ("_m0", dict(co2_outer_momentum=0.0)))
+    },
 }
 CONFIGS.update(
     {

@@ -200,7 +200,7 @@ def test_without_overlap_each_worker_starts_its_round_at_the_anchor_less_its_uns
             trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the layout's order
             live = torch.cat([p.detach().flatten() for _, p in trained])
             held = torch.cat([anchor[name].flatten() for name, _ in trained])
-            unsent = engine.fragments[0].codec.feedback.residual[: live.numel()]
+            unsent = engine.fragments[0].codec.unsent[: live.numel()]
             assert unsent.abs().sum() > 0
             # kept: the model is ahead of the anchor by exactly what it still owes the average
             torch.testing.assert_close(live, held - unsent if keep_unsent else held, rtol=0, atol=1e-6)
