@@ -6,6 +6,7 @@ tests/test_quant.py): a test module imports it from here, never from another tes
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from workers import TinyNet, loss_on, make_optimizer
@@ -18,14 +19,19 @@ from co2_hf.testing import SimulatedNetwork
 class Workers:
     """G simulated workers trained step by step, which can be saved and rebuilt mid-run."""
 
-    def __init__(self, config: CO2Config, workers: int = 3, saved: list[dict] | None = None) -> None:
+    def __init__(self, config: CO2Config, workers: int = 3, saved: list[dict] | None = None, **engine: Any) -> None:
+        """``engine``: further keyword arguments of every `CO2` (e.g. ``stage_state``)."""
         self.config, self.network = config, SimulatedNetwork(workers)
         self.models = [TinyNet(seed=i) for i in range(workers)]
         self.optimizers = [make_optimizer(m) for m in self.models]
         self.pool = ThreadPoolExecutor(workers)
         self.engines = self._each(
             lambda i: CO2(
-                self.models[i], config, optimizer=self.optimizers[i], communicator=self.network.communicator(i)
+                self.models[i],
+                config,
+                optimizer=self.optimizers[i],
+                communicator=self.network.communicator(i),
+                **engine,
             )
         )
         for i, state in enumerate(saved or []):

@@ -253,3 +253,28 @@ def test_fragments_have_no_penalty_since_no_fragment_update_is_stale():
     assert type(_penalty(CO2Config(co2_gap_penalty=1.0), layout)) is NoPenalty
     one = CO2Config(co2_gap_penalty=1.0, co2_fragments=1)
     assert type(_penalty(one, layout)) is GapAwarePenalty
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.7, 0.8, 0.35])
+def test_the_anchor_step_decided_on_the_device_rounds_as_the_host_s_and_a_skip_moves_nothing(lr):
+    """`move_anchor_where_` takes ``-lr`` as a 0-d tensor (``-0.0`` for a skipped D) and whether the
+    buffers take the mean: its fused multiply-add gives the bits of ``sub_(v, alpha=lr)``, so the
+    golden digests of tests/test_fragments.py hold."""
+    g = torch.Generator().manual_seed(0)
+    anchor, v, mean = (torch.randn(100_003, generator=g) for _ in range(3))
+    split = 100_000
+    want = anchor.clone()
+    update.move_anchor_(want, v, mean, split, lr)
+    got = anchor.clone()
+    update.move_anchor_where_(got, v, mean, split, neg_lr=torch.tensor(-lr), take=torch.tensor(True))
+    assert torch.equal(got, want)
+    skipped = anchor.clone()
+    update.move_anchor_where_(skipped, v, mean, split, neg_lr=torch.tensor(0.0) * -lr, take=torch.tensor(False))
+    assert torch.equal(skipped, anchor)
+
+
+def test_the_clip_ratio_on_the_device_equals_the_host_s():
+    for norm_sq, phi in [(25.0, 2.5), (4.0, 2.5), (1e-9, 1e-3), (7.3, 1.1)]:
+        on_device = update.clip_ratio(torch.tensor(norm_sq, dtype=torch.float64), phi)
+        assert float(on_device) == update.clip_ratio(norm_sq, phi)
+    assert float(update.clip_ratio(torch.tensor(9.0, dtype=torch.float64), None)) == 1.0

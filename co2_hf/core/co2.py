@@ -37,10 +37,11 @@ from ..config import CO2Config
 from .comm import Communicator, make_communicator
 from .fragment import Fragment
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
-from .live import LiveTensors, has_dtensors, pin_state, reshard_fsdp, state_device
+from .live import LiveTensors, Scratch, has_dtensors, pin_state, reshard_fsdp, state_device
 from .rules import warn_about_start_rule
 from .schedule import Event, Plan, fit_default_fragments
 from .state import STATE_FORMAT, Progress, check_compatible, from_dict, to_dict, upgrade
+from .tally import CONSECUTIVE_SKIPPED, NONFINITE, NONFINITE_ROUND, OUT_OF_STEP, OUT_OF_STEP_ROUND, SKIPPED, Tally
 from .wire import WirePool
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class CO2:
         communicator: Communicator | None = None,
         *,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        stage_state: bool | None = None,
     ) -> None:
         self.config = cfg = config if config is not None else CO2Config()
         if not cfg.co2_enabled:
@@ -92,20 +94,31 @@ class CO2:
         self.config = cfg = fit_default_fragments(cfg, FlatLayout.shard_numel_of(model, comm.worker_size))
         self.plan = Plan.resolve(cfg)
         self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
-        self.device, pinned = device, pin_state(model, device)
-        self.live = LiveTensors(self.layout, comm, device, pin_memory=pinned)
+        self.device, pinned = device, pin_state(model, device)  # where the outer state lives
+        # Host-memory state for a GPU model with streaming fragments is worked on by the GPU, a
+        # fragment at a time (residency.py); ``stage_state`` forces that on or off (tests stage on the CPU)
+        self._stage = (pinned and self.plan.fragments > 1) if stage_state is None else stage_state
+        self.compute_device = compute = _model_device(model, device) if self._stage else device
+        self._copy_stream = torch.cuda.Stream(compute) if self._stage and compute.type == "cuda" else None
+        # shared by every fragment: one chunk's worth; pinned where host state meets a GPU model
+        self._scratch = Scratch(compute, pin_memory=pinned and not self._stage)
+        self.live = LiveTensors(self.layout, comm, self._scratch)
         n = self.layout.shard_numel
         zeros = dict(dtype=torch.float32, device=device, pin_memory=pinned)
         self._anchor = torch.zeros(n, **zeros)
         self._momentum = torch.zeros(n, **zeros)
-        self.fragments = self._make_fragments(optimizer, pinned, zeros)
+        self.optimizer = optimizer  # a worker found non-finite has its state cleared
+        self._tally = Tally(len(self.layout.fragment_edges) - 1, compute)  # what the device counts (tally.py)
+        self._seen = [[0.0] * 2 for _ in range(len(self.layout.fragment_edges) - 1)]  # non-finite, out of step
+        self.fragments = self._make_fragments(pinned)
         warn_about_start_rule(self.plan)
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
-        self._boundaries_run = 0  # by this instance (not saved): the timeout check runs at the third
+        self._boundaries_run = 0  # by this instance (not saved): the timeout check runs from the third
+        self._timeout_checked = False
         self._round_started: float | None = None
         self._take_anchor()
 
-    def _make_fragments(self, optimizer: torch.optim.Optimizer | None, pinned: bool, zeros: dict) -> list[Fragment]:
+    def _make_fragments(self, pinned: bool) -> list[Fragment]:
         """One `Fragment` per fragment, on its slice of the anchor and the momentum (one in all, the
         whole shard, without fragments), and the pool their buffers come from: sized for the largest
         fragment, one buffer in use at a time (``wire.py``)."""
@@ -113,7 +126,8 @@ class CO2:
         layouts = [self.layout.fragment(f) for f in range(len(edges) - 1)]
         wire_dtype = torch.bfloat16 if self.config.bfloat16_wire else torch.float32
         largest = max(hi - lo for lo, hi in zip(edges[:-1], edges[1:]))
-        self._pool = WirePool(largest, self.num_workers, wire_dtype=wire_dtype, **zeros)
+        on_compute = dict(dtype=torch.float32, device=self.compute_device, pin_memory=pinned and not self._stage)
+        self._pool = WirePool(largest, self.num_workers, wire_dtype=wire_dtype, **on_compute)
         parts = []
         for f, scale in enumerate(_clip_scales(layouts, self._comm, self.config, self.device)):
             lo, hi = edges[f], edges[f + 1]
@@ -127,8 +141,11 @@ class CO2:
                     momentum=self._momentum[lo:hi],
                     pool=self._pool,
                     num_workers=self.num_workers,
-                    optimizer=optimizer,
+                    scratch=self._scratch,
+                    counts=self._tally.row(f),
                     pin_memory=pinned,
+                    copy_stream=self._copy_stream,
+                    stage=self._stage,
                     clip_scale=scale,
                     index=f,
                 )
@@ -178,16 +195,81 @@ class CO2:
         p = self.progress
         return self.plan.due(p.round_step) if p.warmup_done and p.round_step > 0 else []
 
+    @torch.no_grad()
     def _run(self, due: list) -> bool:
-        """Run the events the plan says are due now; end the round after its last step."""
+        """Run the events the plan says are due now; end the round after its last step. Then learn
+        what the device found at these events and earlier ones, as far as it has arrived (`_check`)."""
         for event, f in due:
             if event is Event.BOUNDARY:
-                self._boundary(self.fragments[f])
+                self.fragments[f].boundary(self.progress.inner_steps)
             else:
                 self.fragments[f].apply_in_round()
         if self.progress.round_step >= self.config.co2_local_steps:
             self._end_round()
+        if due:
+            self._tally.mirror.refresh()
+        self._check()
+        if self._stage:
+            self._prefetch()
         return any(event is Event.BOUNDARY for event, _ in due)
+
+    def _prefetch(self) -> None:
+        """Host-memory state: the fragments whose boundary comes after the next step start coming to
+        the GPU now, while it computes that step (residency.py)."""
+        p, tau = self.progress, self.config.co2_local_steps
+        if p.warmup_done:
+            for event, f in self.plan.due(p.round_step % tau + 1):
+                if event is Event.BOUNDARY:
+                    self.fragments[f].prefetch()
+
+    def _flush(self) -> None:
+        """Host-memory state: every fragment's state back in host memory before the host reads or
+        writes it there (checkpoints, evaluation on the anchor, the end): one wait for the copies."""
+        for part in self.fragments:
+            part.store()
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    def _check(self) -> None:
+        """Act on what the device tallied at the boundaries, once its copy has reached host memory
+        (on the CPU at once; on a GPU a step or so later, never waited for): stop on ranks out of
+        step or ``co2_max_skipped_rounds`` skips in a row; for a non-finite worker, warn, clear the
+        inner optimizer and restart every fragment's round (the NaN reaches every parameter)."""
+        rows = self._tally.mirror.poll()
+        if rows is None:
+            return
+        limit = self.config.co2_max_skipped_rounds
+        for part, row, seen in zip(self.fragments, rows, self._seen):
+            if row[OUT_OF_STEP] > seen[1]:
+                raise RuntimeError(
+                    f"CO2: ranks out of step at round {int(row[OUT_OF_STEP_ROUND])}: the outer all-reduce mixed "
+                    "different rounds (every rank must call CO2.step() once per inner step)"
+                )
+            if limit and row[CONSECUTIVE_SKIPPED] >= limit:
+                raise RuntimeError(
+                    f"CO2: no worker had a finite outer gradient for {int(row[CONSECUTIVE_SKIPPED])} "
+                    f"consecutive rounds (co2_max_skipped_rounds={limit}); stopping"
+                )
+            if row[NONFINITE] > seen[0]:
+                seen[0] = row[NONFINITE]
+                self._quarantine(part, int(row[NONFINITE_ROUND]))
+
+    def _quarantine(self, found: Fragment, round_index: int) -> None:
+        """This worker's outer gradient was not finite at ``found``'s boundary of ``round_index``: it
+        sent zeros there and restarted that fragment (on the device). Its other fragments' steps ran
+        on the same faulty values, and so did the inner optimizer's: restart them all, clear it. If
+        the host learns of it at a later step (a GPU), ``found``'s steps since are restarted too."""
+        logger.warning(
+            "CO2: worker %d has a non-finite outer gradient at round %d; it sends nothing this "
+            "round, returns to the anchor and clears its inner optimizer state",
+            self.comm.worker_index,
+            round_index,
+        )
+        for part in self.fragments:
+            if part is not found or found.boundary_step != self.progress.inner_steps:
+                part.restart()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
 
     def _start_quorum(self) -> bool:
         """Receive every all-reduce in flight (the transport's group may change with the quorum),
@@ -198,23 +280,18 @@ class CO2:
 
     # ------------------------------------------------------------------ what the plan runs (fragment.py)
 
-    @torch.no_grad()
-    def _boundary(self, part: Fragment) -> None:
-        """One fragment's boundary. A worker found non-finite restarts its other fragments' rounds
-        too: their steps since then ran on the same faulty values (a NaN reaches every parameter)."""
-        if not part.boundary():
-            for other in self.fragments:
-                if other is not part:
-                    other.restart()
-
     def _end_round(self) -> None:
-        """After step tau: the round counter moves on; the third round's timing checks the timeout."""
+        """After step tau: the round counter moves on; from the third round on, the first whose
+        communication times the host knows without waiting checks the timeout (once)."""
         compute_s = time.perf_counter() - self._round_started if self._round_started is not None else 0.0
         self.progress.round += 1
         self.progress.round_step = 0
         self._boundaries_run += 1
-        if self._boundaries_run == TIMEOUT_CHECK_BOUNDARY:
-            _check_timeout(self.config.co2_timeout_s, compute_s, self.last_comm_s)
+        if self._boundaries_run >= TIMEOUT_CHECK_BOUNDARY and not self._timeout_checked:
+            known = [part.last_comm_known() for part in self.fragments]
+            if None not in known:
+                _check_timeout(self.config.co2_timeout_s, compute_s, sum(known))
+                self._timeout_checked = True
         self._round_started = time.perf_counter()
 
     # ------------------------------------------------------------------ counters and the rest of the API
@@ -227,19 +304,21 @@ class CO2:
 
     @property
     def skipped_rounds(self) -> int:
-        """Rounds whose outer update no worker was finite for (summed over fragments)."""
-        return sum(part.progress.skipped_rounds for part in self.fragments)
+        """Rounds whose outer update no worker was finite for (summed over fragments). Counted on the
+        device: reading it waits for the device (for logs and tests, not every step)."""
+        return int(sum(row[SKIPPED] for row in self._tally.read()))
 
     @property
     def last_wait_s(self) -> float:
         """Seconds this rank was blocked waiting at the last boundary (exposed communication);
-        with fragments, the last wait of each fragment, summed: the exposed wait of a round."""
+        with fragments, the last wait of each fragment, summed: the exposed wait of a round. On a GPU
+        reading it waits for the device."""
         return sum(part.last_wait_s for part in self.fragments)
 
     @property
     def last_comm_s(self) -> float:
         """Launch-to-completion of the last all-reduce received (summed over fragments: how long
-        the link was busy with one round's bytes)."""
+        the link was busy with one round's bytes). On a GPU reading it waits for the device."""
         return sum(part.last_comm_s for part in self.fragments)
 
     @property
@@ -284,11 +363,14 @@ class CO2:
         # one in flight and the one finishing); each touches its own slice of the outer state only
         for f, part in enumerate(self.fragments):
             if self.plan.steps_since_boundary(f, p.round, p.round_step) > 0:
-                self._boundary(part)
+                part.boundary(p.inner_steps)
             part.finish()
         self._pool.trim()
+        self._flush()
         self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])  # floats too
         p.round = p.round_step = 0
+        self._tally.mirror.refresh()
+        self._check()
 
     @torch.no_grad()
     def adopt_model(self) -> None:
@@ -310,6 +392,7 @@ class CO2:
         state = self.model.state_dict()
         if not self.progress.warmup_done:
             return state
+        self._flush()
         anchor = self.live.gather_flat(self._anchor) if self.layout.gathers else self._anchor
         for segment in self.layout.segments:
             flat = anchor[segment.offset : segment.offset + segment.numel]
@@ -336,6 +419,7 @@ class CO2:
             yield
             return
         saved = [segment.tensor.detach().clone() for segment in self.layout.segments]
+        self._flush()
         try:
             reshard_fsdp(self.model)  # FSDP2 must gather the shards anew, with the anchor in them
             with torch.no_grad():
@@ -363,8 +447,11 @@ class CO2:
         it means the same at any logging interval. Seconds: the fragments' mean waits summed and
         scaled by F / (fragments present); norms: the root of their mean squares summed, scaled
         alike; the clip ratio: the fragments' mean; the penalty: its mean over every parameter
-        element that received an update in the window (exactly 1 without a penalty)."""
-        per_part = [part.pop_metric_means() for part in self.fragments]
+        element that received an update in the window (exactly 1 without a penalty).
+
+        The statistics are counted on the device (``tally.py``): this call waits for it once. Call it
+        at logging steps; between them the engine never waits for the device."""
+        per_part, skipped_rounds = self._metric_means(pop=True)
         present = [m for m in per_part if m]
         out: dict[str, float] = {}
         if present:
@@ -377,14 +464,29 @@ class CO2:
         if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
             out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
         out["co2/amp_skipped_steps"] = float(self.progress.amp_skipped_steps)
-        out["co2/skipped_rounds"] = float(self.skipped_rounds)
+        out["co2/skipped_rounds"] = float(skipped_rounds)
         return out
+
+    def fragment_metrics(self) -> list[dict[str, float]]:
+        """Per fragment, each metric's mean over its boundaries since the last `pop_metrics` (what
+        `pop_metrics` combines into one round's figures), without starting a new window. Waits for
+        the device, as `pop_metrics` does."""
+        return self._metric_means(pop=False)[0]
+
+    def _metric_means(self, *, pop: bool) -> tuple[list[dict[str, float]], int]:
+        per_part, skipped_rounds = self._tally.metric_means(pop=pop)
+        for means, part in zip(per_part, self.fragments):
+            comm_s = part.comm_s(pop=pop)
+            if comm_s is not None:
+                means["comm_s"] = comm_s
+        return per_part, skipped_rounds
 
     # ------------------------------------------------------------------ checkpoints (core/state.py)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state, without any collective (``core/state.py``). Tensors are references
         (as with ``optimizer.state_dict()``): save or clone them before training continues."""
+        self._flush()
         fragments = [part.state_dict() for part in self.fragments]  # each waits for its all-reduce first
         return {
             "format": STATE_FORMAT,
@@ -401,6 +503,7 @@ class CO2:
             raise RuntimeError("load_state_dict while an outer all-reduce is in flight")
         saved = upgrade(saved)
         check_compatible(saved, **self._identity())
+        self._flush()
         self._anchor.copy_(saved["anchor"])
         self._momentum.copy_(saved["momentum"])
         for part, kept in zip(self.fragments, saved["fragments"], strict=True):
@@ -419,6 +522,7 @@ class CO2:
     @torch.no_grad()
     def _take_anchor(self) -> None:
         """Broadcast the live tensors from the first rank, then copy them into the anchor."""
+        self._flush()
         self.comm.broadcast_([s.tensor.data for s in self.layout.segments])
         for chunk in self.layout.chunks:
             self._anchor[chunk.start : chunk.stop].copy_(self.live.read(chunk))
@@ -431,6 +535,11 @@ class CO2:
             "num_workers": self.num_workers,
             "worker_index": self.comm.worker_index,
         }
+
+
+def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
+    """Where the model's parameters are (the device that works on staged host-memory state)."""
+    return next((p.device for p in model.parameters()), fallback)
 
 
 def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int):

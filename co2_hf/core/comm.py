@@ -35,14 +35,18 @@ callback, which gloo runs when the transfer ends. NCCL completes that future whe
 the launch and one on a side stream made to wait for the all-reduce (launch to completion), and
 two on the compute stream around the wait (how long compute was held up: the exposed wait).
 
-Timeouts. Every collective CO2 waits for at a boundary is bounded on the host by ``co2_timeout_s``
-and fails with CO2's error naming it: gloo's ``wait(timeout)``; on CUDA tensors a poll of
-``is_completed()`` up to the deadline (NCCL's own ``wait(timeout)`` blocks the host only on some
-torch versions). CO2's groups get a longer timeout (`group_timeout`), so that NCCL's watchdog,
-which aborts the process when a collective outlives its group's timeout, never fires first. The
-per-step collectives on CUDA tensors (the gradient average inside a worker, the warm-up) are not
-polled: a host sync every step would stall the GPU; a peer lost there is caught by the next
-boundary's bounded waits, or by the watchdog at `group_timeout`.
+Timeouts. Every collective CO2 waits for is bounded on the host by ``co2_timeout_s`` and fails with
+CO2's error naming it: gloo's ``wait(timeout)``; on CUDA tensors the outer all-reduce's completion
+is polled with ``is_completed()`` (an event query, no synchronisation) up to the deadline (NCCL's own
+``wait(timeout)`` blocks the host only on some torch versions). That poll is the one place the host
+waits for the GPU between logging steps, and only for the all-reduce itself, launched steps before:
+the compute stream keeps the work the host queued meanwhile (docs/gpus.md). CO2's groups get a
+longer timeout (`group_timeout`), so that NCCL's watchdog, which aborts the process when a collective
+outlives its group's timeout, never fires first. The collectives inside a step on CUDA tensors (the
+gradient average inside a worker, the warm-up, the boundary's statistics and anchor all-gathers
+inside a worker) are not polled: the compute stream waits for them, the host does not; a peer lost
+there is caught by the next bounded wait of an outer all-reduce, or by the watchdog at
+`group_timeout`.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .collectives import Collectives, GroupCollectives
+from .tally import Seconds
 
 
 @dataclass
@@ -87,21 +92,29 @@ class Pending:
             raise RuntimeError("CO2 internal error: an outer all-reduce was waited twice")
         self.waited = True
 
-    def comm_seconds(self) -> float:
-        """Launch to completion: on the GPU's clock for CUDA tensors, else as the completion
-        callback stamped it. Call after the wait (the events are then complete, or nearly)."""
+    def comm_time(self) -> Seconds:
+        """Launch to completion: on the GPU's clock for CUDA tensors (read once the events have
+        completed: `Seconds`), else as the completion callback stamped it. Call after the wait."""
         if self.launch_events is not None:
-            return _elapsed_s(*self.launch_events)
+            return Seconds(events=self.launch_events)
         end = self.completed_at[0] if self.completed_at else time.perf_counter()
-        return max(end - self.launched_at, 0.0)
+        return Seconds(max(end - self.launched_at, 0.0))
+
+    def wait_time(self, since: float) -> Seconds:
+        """How long the wait held compute up: the compute stream's stall for CUDA tensors (read once
+        its events have completed), else the host's time since ``since`` (a ``time.perf_counter()``
+        taken before the wait)."""
+        if self.wait_events is not None:
+            return Seconds(events=self.wait_events)
+        return Seconds(time.perf_counter() - since)
+
+    def comm_seconds(self) -> float:
+        """`comm_time` now (on CUDA this waits for the GPU: for scripts and tests, not the engine)."""
+        return self.comm_time().get()
 
     def wait_seconds(self, since: float) -> float:
-        """How long the wait held compute up: the compute stream's stall for CUDA tensors, else the
-        host's time since ``since`` (a ``time.perf_counter()`` taken before the wait)."""
-        if self.wait_events is not None:
-            # synchronises the host with the compute stream, which the boundary does right after anyway
-            return _elapsed_s(*self.wait_events)
-        return time.perf_counter() - since
+        """`wait_time` now (on CUDA this waits for the GPU: for scripts and tests, not the engine)."""
+        return self.wait_time(since).get()
 
 
 class Communicator:
@@ -270,7 +283,7 @@ class ProcessGroupCommunicator(Communicator):
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self._finish_per_step(work, tensor, "the warm-up's gradient all-reduce")
+        self._finish_in_stream(work, tensor, "the warm-up's gradient all-reduce")
 
     def worker_ranks(self) -> list[int]:
         """The global ranks of this process's worker."""
@@ -281,7 +294,7 @@ class ProcessGroupCommunicator(Communicator):
     def reduce_stats(self, partials: Tensor) -> Tensor:
         if self.worker_group is not None:
             work = dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=self.worker_group, async_op=True)
-            self._finish(work, partials, "the sum of the outer statistics over this worker's processes")
+            self._finish_in_stream(work, partials, "the sum of the outer statistics over this worker's processes")
         return partials
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
@@ -289,17 +302,18 @@ class ProcessGroupCommunicator(Communicator):
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.worker_size)]
         work = dist.all_gather(parts, tensor, group=self.worker_group, async_op=True)
-        self._finish(work, tensor, "the all-gather of the anchor over this worker's processes")
+        self._finish_in_stream(work, tensor, "the all-gather of the anchor over this worker's processes")
         return parts
 
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         if self.worker_group is not None:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.worker_group, async_op=True)
-            self._finish_per_step(work, tensor, "the gradient average over this worker's processes")
+            self._finish_in_stream(work, tensor, "the gradient average over this worker's processes")
 
-    def _finish_per_step(self, work: Any, tensor: Tensor, what: str) -> None:
-        """A collective of every inner step: on CUDA it only joins the compute stream (a host sync
-        every step would stall the GPU; module docstring, "Timeouts"), elsewhere `_finish`."""
+    def _finish_in_stream(self, work: Any, tensor: Tensor, what: str) -> None:
+        """A collective inside a training step (the gradient average, the boundary's statistics and
+        anchor all-gathers inside a worker): on CUDA it only joins the compute stream (a host wait
+        there would stall the GPU; module docstring, "Timeouts"), elsewhere `_finish`."""
         if tensor.is_cuda:
             _block_current_stream(work)
         else:
@@ -402,11 +416,6 @@ def _record_event(tensor: Tensor) -> Any:
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(tensor.device))
     return event
-
-
-def _elapsed_s(start: Any, end: Any) -> float:
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def group_timeout(timeout_s: float) -> datetime.timedelta:

@@ -6,38 +6,45 @@ is the whole contract between them; CO2 never reaches inside:
 
 - ``boundary()``: the fragment's round ends: the overlapped sequence (receive, direction,
   exchange, launch, reset) or, without overlap, the synchronous one (exchange, launch, receive,
-  direction, apply, reset); returns whether this worker's outer gradient was finite;
+  direction, apply, reset);
 - ``apply_in_round()``: ``k`` steps after a launch, apply its average (receive, direction, apply,
   shift), where the plan has a window or fragments;
 - ``finish()``: end of training, after the last boundary: wait, apply, start from the anchor;
 - ``drain()``: complete the all-reduce in flight outside a boundary (before a checkpoint);
 - ``receive()``: complete it ahead of a boundary, its wait counted as that boundary's (a transport
   that reconfigures its group between rounds, torchft: ``core/ft.py``);
-- ``restart()``: start this round again from its start point (another fragment of this worker
-  found a non-finite outer gradient);
-- read-only: ``pending`` / ``in_flight``, ``last_wait_s``, ``last_comm_s``, ``metrics``, ``wire``;
-  ``pop_metric_means()``, ``state_dict()`` / ``load_state_dict()``, ``nbytes()``.
+- ``restart()``: start this round again from its start point (this worker's outer gradient was not
+  finite somewhere: the engine restarts every fragment once it learns of it);
+- read-only: ``pending`` / ``in_flight``, ``last_wait_s``, ``last_comm_s``, ``wire``, ``boundary_step``;
+  ``comm_s()``, ``counters()``, ``state_dict()`` / ``load_state_dict()``, ``nbytes()``.
 
 The fragment owns its slice of the outer state: views of the engine's anchor and momentum, the
-start rule and the penalty (``rules.py``), its counters (`FragmentProgress`), its quantizer, and a
-communication buffer (`WireBuffer`) while it needs one: from its boundary until its average is
-applied, taken from the engine's `WirePool`, so that streaming fragments share one buffer. Each
-phase (a private method) does one thing, chunk by chunk:
+start rule and the penalty (``rules.py``), its counters (`FragmentProgress`, and a row of the
+engine's `Tally`), its codec, and a communication buffer (`WireBuffer`) while it needs one: from its
+boundary until its average is applied, taken from the engine's `WirePool`, so that streaming
+fragments share one buffer. Each phase (a private method) does one thing, chunk by chunk:
 
-- ``_receive`` / ``_drain``: wait for the all-reduce in flight, read its header, ``D`` = the mean;
+- ``_receive`` / ``_drain``: wait for the all-reduce in flight, tally its header, ``D`` = the mean;
 - ``_direction``: ``P``, ``m <- beta*m + P*D``, clip ``m``, the step ``v`` (when a ``D`` came);
 - ``_exchange``: ``d = start - x``; ``a <- a - alpha*v`` (when a ``D`` came); buffer <- ``d``;
-- ``_launch``: header, then the all-reduce of this round's ``d`` (as codes with an int8/int4/sparse wire);
+- ``_launch``: zeros for a non-finite worker, header, then the all-reduce of this round's ``d``;
 - ``_apply``: ``a <- a - alpha*v`` alone;
 - ``_reset``: ``x <- a - o``; ``_shift``: ``x <- x + (a_new - start)``.
+
+**Nothing here reads a device value on the host** (``docs/gpus.md``): whether this worker's ``d`` was
+finite, whether any worker was (the header's weight), the clip ratio and every statistic are 0-d
+tensors used where they are made. A skipped round (no worker finite) is an update of weight 0 whose
+``-alpha`` is ``-0.0`` and whose momentum factor is 1 (exactly nothing moves); a non-finite worker's
+zeros and cleared offset are ``where``s. The host learns what it must (a warning, clearing the inner
+optimizer, stopping after ``co2_max_skipped_rounds``) from the engine's `Tally` (``tally.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -45,15 +52,17 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from ..config import CO2Config
-from . import update
+from . import tally, update
 from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
-from .live import LiveTensors
+from .live import LiveTensors, Scratch
 from .quant import QuantizedWire
+from .residency import Residency
 from .rules import make_penalty, make_start_rule
 from .schedule import Plan
 from .sparse import SparseWire
 from .state import FragmentProgress, from_dict, to_dict
+from .tally import Seconds
 from .wire import WireBuffer, WirePool
 
 # The engine warns under one logger name, whichever module of core/ notices: users filter on it.
@@ -76,17 +85,21 @@ class Fragment:
         momentum: Tensor,
         pool: WirePool,
         num_workers: int,
-        optimizer: torch.optim.Optimizer | None,
+        scratch: Scratch,
+        counts: Tensor,
         pin_memory: bool,
+        copy_stream: Any = None,
+        stage: bool = False,
         clip_scale: float = 1.0,
         index: int = 0,
     ) -> None:
-        self.config, self.plan, self.layout, self.device = config, plan, layout, anchor.device
+        # the device it computes on: the state's, or the model's when host-memory state is staged
+        self.config, self.plan, self.layout, self.device = config, plan, layout, scratch.device
         self._comm = comm  # fixed here: the fragment's all-reduces go through it and nothing else
-        self.num_workers, self.optimizer = num_workers, optimizer
-        self.live = LiveTensors(layout, comm, self.device, pin_memory=pin_memory)
+        self.num_workers = num_workers
+        self.live = LiveTensors(layout, comm, scratch)
         n = layout.shard_numel
-        zeros = dict(dtype=torch.float32, device=self.device, pin_memory=pin_memory)
+        zeros = dict(dtype=torch.float32, device=self.device)
         self._anchor, self._momentum = anchor, momentum  # this fragment's views of the engine's
         # One fragment keeps its buffer all along (it is in flight across whole rounds, and its
         # checkpoint always holds it); streaming fragments hold one only from their boundary until
@@ -94,54 +107,75 @@ class Fragment:
         self._pool = pool
         self._keeps_buffer = plan.fragments == 1
         self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
-        self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory)
+        self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory and not stage)
         self._holds_unsent = isinstance(self.codec, SparseWire) and config.co2_sparse_keep_unsent
+        host = dict(dtype=torch.float32, device=anchor.device, pin_memory=pin_memory)  # where the state lives
         self.start = make_start_rule(
-            plan, config, self._momentum, layout.param_local, holds_unsent=self._holds_unsent, **zeros
+            plan, config, self._momentum, layout.param_local, holds_unsent=self._holds_unsent, **host
         )
+        # host-memory state worked on by the GPU: the state comes to the device for its events only
+        self._residency = Residency(self._state(), self.device, copy_stream) if stage else None
         self.penalty = make_penalty(plan, config, layout, self.device)  # P = 1 unless updates are stale
         # a fragment's momentum is clipped to phi * sqrt(its share of the parameters), so that the
         # whole momentum's norm stays <= phi (1 with one fragment)
         self.clip_threshold = None if config.co2_clip_threshold is None else config.co2_clip_threshold * clip_scale
-        self.progress = FragmentProgress()
+        self.progress = FragmentProgress()  # the skip counters live in ``counts`` while training
+        self._counts = counts  # this fragment's row of the engine's Tally (tally.py)
         self._pending: Pending | None = None
-        # the anchor has values the live tensors must take in full at the next reset or shift: a
-        # step moved it (float buffers got a new mean), or this worker restarts from it
+        # a received D was taken (its step counts as applied from then on): the live tensors take
+        # the anchor's news at the next reset or shift (skipped on the device if no worker was finite)
         self._anchor_news = False
-        self._last_wait_s = 0.0
-        self._last_comm_s = 0.0  # launch-to-completion of the last all-reduce received (this rank)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._decided(weight=torch.ones((), **zeros), finite=torch.ones((), dtype=torch.bool, device=self.device))
+        self._last_wait, self._last_comm = Seconds(0.0), Seconds(0.0)
+        self._known_wait_s = 0.0  # the newest exposed wait the host knows without waiting: the header's
+        self._comm_times: list[Seconds] = []  # launch to completion of each all-reduce since the last pop
+        self.boundary_step: int | None = None  # the engine's inner step at this fragment's last boundary
+
+    def _decided(self, *, weight: Tensor | None = None, finite: Tensor | None = None) -> None:
+        """The device's decisions, as 0-d tensors: ``weight`` > 0 when the D in the buffer is a mean to
+        apply (some worker was finite), ``finite`` whether this worker's last outer gradient was."""
+        if weight is not None:
+            self._applies = (weight >= 0.5).float()  # 1: apply the D; 0: skip it (no worker was finite)
+            self._neg_lr = self._applies * -self.config.co2_outer_lr  # -alpha, or -0.0: nothing moves
+            self._takes = self._applies > 0
+        if finite is not None:
+            self._finite = finite
 
     # ------------------------------------------------------------------ the contract with CO2
 
-    def boundary(self) -> bool:
-        """This fragment's round ends: the overlapped or the synchronous sequence, as the plan says.
-        Returns whether this worker's outer gradient was finite (False: it sent nothing and
-        restarts; the caller restarts the worker's other fragments)."""
-        with record_function("co2/boundary"):
-            finite = self._overlapped_boundary() if self.plan.overlapped else self._synchronous_boundary()
+    def boundary(self, step: int) -> None:
+        """This fragment's round ends (at the engine's inner step ``step``): the overlapped or the
+        synchronous sequence, as the plan says."""
+        with record_function("co2/boundary"), self._working(keep=True):  # the in-round apply follows
+            if self.plan.overlapped:
+                self._overlapped_boundary()
+            else:
+                self._synchronous_boundary()
             self.progress.round += 1
-        return finite
+        self.boundary_step = step
 
     def apply_in_round(self) -> None:
         """A window or fragments: ``k`` steps after its launch, apply this fragment's average. Its base
         is still the anchor, so nothing is stale (P = 1). Nothing to do before its first round ends."""
         if self._pending is not None or self.progress.have_d:
-            with record_function("co2/apply_in_round"):
+            with record_function("co2/apply_in_round"), self._working(keep=False):
                 self._receive()
                 self._direction()
                 self._apply()
                 self._shift()
+        elif self._residency is not None:
+            self._working_done()
         self._release_if_idle()
 
     def finish(self) -> None:
         """End of training, after this fragment's last boundary: wait for its all-reduce, apply it
         (with the plan's penalty when updates are stale), and leave its round starting at the anchor.
         The caller then writes the anchor into the live tensors."""
-        self.drain()
-        self._direction()
-        self._apply()
-        self.start.clear_()
+        with self._working(keep=False):
+            self.drain()
+            self._direction()
+            self._apply()
+            self.start.clear_()
         self._anchor_news = False
         self._release_if_idle()
 
@@ -155,13 +189,31 @@ class Fragment:
         """Complete the all-reduce in flight, if any, outside a boundary: the wait is not exposed
         communication of a round (recorded as 0)."""
         if self._complete() is not None:
-            self._last_wait_s = 0.0
+            self._last_wait = Seconds(0.0)
 
     def restart(self) -> None:
-        """``x <- a - o``, buffers included: this round starts again from where it started (another
-        fragment of this worker was non-finite; its steps since then may carry the same fault)."""
-        self.live.write_all(self._start_of)
+        """``x <- a - o``, buffers included: this round starts again from where it started (this
+        worker's outer gradient was not finite: its steps since then may carry the same fault)."""
+        with self._working(keep=None):
+            self.live.write_all(self._start_of)
         self._anchor_news = False
+
+    def prefetch(self) -> None:
+        """Host-memory state: start bringing this fragment's state to the device for its boundary at
+        the next step (``residency.py``); nothing otherwise."""
+        if self._residency is not None:
+            self._residency.fetch()
+
+    def store(self) -> None:
+        """Host-memory state: put this fragment's state back in host memory (the engine waits for the
+        copies before the host reads it); nothing otherwise."""
+        if self._residency is not None:
+            self._working_done()
+
+    @property
+    def residency(self) -> Residency | None:
+        """Host-memory state staged on the device: where this fragment's state is (None: it stays put)."""
+        return self._residency
 
     @property
     def pending(self) -> Pending | None:
@@ -179,47 +231,63 @@ class Fragment:
 
     @property
     def last_wait_s(self) -> float:
-        """Seconds this rank waited at this fragment's last boundary (exposed communication)."""
-        return self._last_wait_s
+        """Seconds this rank waited at this fragment's last boundary (exposed communication). On a
+        GPU reading it waits for the device: for scripts, not for the training loop."""
+        return self._last_wait.get()
 
     @property
     def last_comm_s(self) -> float:
-        """Launch-to-completion of the last all-reduce received (this rank)."""
-        return self._last_comm_s
+        """Launch-to-completion of the last all-reduce received (this rank); on a GPU reading it waits
+        for the device, as `last_wait_s` does."""
+        return self._last_comm.get()
 
-    @property
-    def metrics(self) -> dict[str, tuple[float, ...]]:
-        """Each metric's values over this fragment's boundaries since the last `pop_metric_means` (a copy)."""
-        return {name: tuple(values) for name, values in self._metrics.items()}
+    def last_comm_known(self) -> float | None:
+        """`last_comm_s` if the host knows it without waiting for the device, else None."""
+        return self._last_comm.get() if self._last_comm.ready() else None
 
-    def pop_metric_means(self) -> dict[str, float]:
-        """Each metric's mean over this fragment's boundaries since the last call (none: absent);
-        the penalty's sum and elements are summed instead, so that their ratio is the mean P."""
-        means = {
-            name: sum(values) / (1 if name.startswith("penalty_") else len(values))
-            for name, values in self._metrics.items()
-            if values
+    def comm_s(self, *, pop: bool) -> float | None:
+        """The mean launch-to-completion time of the all-reduces received since the last pop (None:
+        none was); ``pop`` starts the next window. On a GPU this waits for their CUDA events: call
+        it at logging steps."""
+        times = self._comm_times
+        if pop:
+            self._comm_times = []
+        return sum(t.get() for t in times) / len(times) if times else None
+
+    def counters(self) -> dict[str, Any]:
+        """`FragmentProgress` as a checkpoint holds it: the skip counters read from the device (a wait,
+        once), ``have_d`` False for a D of weight 0 (nothing to apply)."""
+        row = self._counts[: tally.HEALTH_COLUMNS].tolist()
+        have_d = self.progress.have_d and bool(self._applies)
+        return {
+            **to_dict(self.progress),
+            "have_d": have_d,
+            "skipped_rounds": int(row[tally.SKIPPED]),
+            "consecutive_skipped": int(row[tally.CONSECUTIVE_SKIPPED]),
         }
-        self._metrics.clear()
-        return means
 
     def state_dict(self) -> dict[str, Any]:
         """This fragment's part of a checkpoint (``core/state.py``), its all-reduce waited for first.
         ``buffer`` is held only where it means something: one fragment's (always), or a fragment's
         with a received D in it (``have_d``); None otherwise."""
         self.drain()
-        saved = self._keeps_buffer or self.progress.have_d
+        counters = self.counters()
+        saved = self._keeps_buffer or counters["have_d"]
         return {
             "buffer": self._wire.fp32 if saved else None,
             "own_outer_grad": self.start.offset,  # None under the anchor start rule
-            "counters": to_dict(self.progress),
+            "counters": counters,
             "residuals": None if self.codec is None else self.codec.state(),  # int8/int4/sparse wires
         }
 
     def load_state_dict(self, kept: dict[str, Any]) -> None:
         """Restore `state_dict`'s output (or a format-2 fragment of an older version, whose buffer of a
         fragment without a received D is not needed and not read)."""
-        self.progress = from_dict(FragmentProgress, kept["counters"])
+        counters = kept["counters"]
+        self.progress = from_dict(FragmentProgress, counters)
+        self._counts[tally.SKIPPED].fill_(float(counters["skipped_rounds"]))
+        self._counts[tally.CONSECUTIVE_SKIPPED].fill_(float(counters["consecutive_skipped"]))
+        self._decided(weight=torch.ones((), device=self.device))  # a saved D is a mean to apply
         if self._keeps_buffer or self.progress.have_d:
             self._hold().fp32.copy_(kept["buffer"])
         self._release_if_idle()
@@ -232,18 +300,51 @@ class Fragment:
         buffer belongs to the pool)."""
         return self.start.nbytes() + (0 if self.codec is None else self.codec.nbytes())
 
+    # ------------------------------------------------------------------ where the state is
+
+    def _state(self) -> dict[str, Tensor]:
+        """The tensors of this fragment's outer state that it reads and writes in place."""
+        state = {"anchor": self._anchor, "momentum": self._momentum}
+        if self.start.offset is not None:
+            state["offset"] = self.start.offset
+        return state
+
+    def _bind(self, state: dict[str, Tensor]) -> None:
+        self._anchor, self._momentum = state["anchor"], state["momentum"]
+        self.start.bind_(offset=state.get("offset"), momentum=state["momentum"])
+
+    @contextlib.contextmanager
+    def _working(self, *, keep: bool | None):
+        """Within the block the fragment works on its state on its device (host-memory state: brought
+        over, ``residency.py``). ``keep``: stay there after (True: a boundary, whose apply follows),
+        go back (False), or stay only if it was there before (None)."""
+        residency = self._residency
+        if residency is None:
+            yield
+            return
+        was_there = residency.resident
+        self._bind(residency.acquire())
+        try:
+            yield
+        finally:
+            if keep is False or (keep is None and not was_there):
+                self._working_done()
+
+    def _working_done(self) -> None:
+        self._residency.release()
+        self._bind(self._residency.host)
+
     # ------------------------------------------------------------------ the sequences
 
-    def _overlapped_boundary(self) -> bool:
+    def _overlapped_boundary(self) -> None:
         self._receive()  # D_{t-1}: none at round 0
         self._direction()  # its base a_{t-1} is one anchor move old: stale (the plan's penalty)
         finite = self._exchange()  # applies D_{t-1} while writing d_t
         self._hold_unsent()  # before the launch: the coded all-reduce changes the residual off-thread
         self._launch(finite)
         self._reset()
-        return finite
 
-    def _synchronous_boundary(self) -> bool:
+    def _synchronous_boundary(self) -> None:
         finite = self._exchange()  # nothing to apply yet: writes d_t
         self._launch(finite)
         self._receive()  # D_t, right away
@@ -252,7 +353,6 @@ class Fragment:
         self._hold_unsent()  # what d_t left unsent, now coded
         self._reset()
         self._release_if_idle()
-        return finite
 
     def _hold(self) -> WireBuffer:
         """The buffer, taken from the pool if this fragment holds none."""
@@ -273,10 +373,10 @@ class Fragment:
         """Wait for the all-reduce in flight, if any; the wait is this boundary's exposed time."""
         waited = self._complete()
         if waited is not None:
-            self._last_wait_s = waited
+            self._last_wait = waited
 
-    def _complete(self) -> float | None:
-        """Wait for the all-reduce in flight and read it; the seconds waited (None: none in flight)."""
+    def _complete(self) -> Seconds | None:
+        """Wait for the all-reduce in flight and tally it; the time waited (None: none in flight)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -286,33 +386,29 @@ class Fragment:
                 self._comm.wait(pending, self.config.co2_timeout_s)
             except RuntimeError as error:
                 raise self._peer_failure(error) from error
-        waited = pending.wait_seconds(since=start)  # CUDA: the compute stream's stall (comm.py)
-        self._last_comm_s = pending.comm_seconds()
-        self._metrics["comm_s"].append(self._last_comm_s)
+        waited = pending.wait_time(since=start)  # CUDA: the compute stream's stall, read later (comm.py)
+        self._last_comm = pending.comm_time()
+        self._comm_times.append(self._last_comm)
         # a fault-tolerant transport may drop the round (a participant died with it in flight):
         # then nothing is applied and the anchor and the momentum stay as they were (core/ft.py)
-        self.progress.have_d = self._comm.commit(pending) and self._read_mean(pending.senders)
+        self.progress.have_d = self._comm.commit(pending)
+        if self.progress.have_d:
+            self._read_mean(pending.senders)
         return waited
 
-    def _read_mean(self, senders: int | None) -> bool:
-        """Check the header; turn the sum into a mean over finite workers (False: none was).
-        ``senders``: how many workers took part (None: all of them)."""
-        count, max_wait = self._wire.unpack(self.progress.sent_round, senders=senders)
-        self._metrics["comm_wait_s"].append(max_wait)
-        p = self.progress
-        if count < 0.5:  # no worker was finite: skip this outer update
-            p.skipped_rounds += 1
-            p.consecutive_skipped += 1
-            limit = self.config.co2_max_skipped_rounds
-            if limit and p.consecutive_skipped >= limit:
-                raise RuntimeError(
-                    f"CO2: no worker had a finite outer gradient for {p.consecutive_skipped} "
-                    f"consecutive rounds (co2_max_skipped_rounds={limit}); stopping"
-                )
-            return False
-        p.consecutive_skipped = 0
-        self._wire.payload.div_(count)
-        return True
+    def _read_mean(self, senders: int | None) -> None:
+        """Tally the header (``senders``: how many workers took part; None: all of them) and turn the
+        sum into a mean over the finite workers. No worker finite: a D of weight 0, skipped."""
+        weight, out_of_step, max_wait = self._wire.unpack(self.progress.sent_round, senders=senders)
+        tally.record_receipt_(
+            self._counts,
+            weight=weight,
+            out_of_step=out_of_step,
+            max_wait=max_wait,
+            round_index=self.progress.sent_round,
+        )
+        self._decided(weight=weight)
+        self._wire.payload.div_(weight.clamp(min=1.0))  # all zeros when no worker was finite
 
     def _direction(self) -> None:
         """Turn the received D (buffer) into the step v: the penalty, momentum, clip, Nesterov."""
@@ -321,48 +417,53 @@ class Fragment:
         cfg, n = self.config, self.layout.param_local
         d, m = self._wire.payload[:n], self._momentum[:n]
         sums = self._comm.reduce_stats(self.penalty.partials(d))
-        self._metrics["outer_grad_norm"].append(float(sums[-1]) ** 0.5)
         penalty_sum = self.penalty.scale_(d, m, sums[:-1])
+        beta = torch.where(self._takes, cfg.co2_outer_momentum, 1.0)  # 1 for a skipped D (d = 0): m stays
+        update.momentum_(m, d, beta)
+        # the worker's parameter elements in this fragment ride along, so that the penalty's mean can
+        # be weighed by them across fragments (CO2.pop_metrics)
+        count = penalty_sum.new_full((), float(n))
+        stats = self._comm.reduce_stats(torch.stack([update.norm_sq(m)[0], penalty_sum, count]))
+        ratio = torch.where(self._takes, update.clip_ratio(stats[0], self.clip_threshold), 1.0)
+        if self.clip_threshold is not None:
+            m.mul_(ratio)  # times 1 where nothing is clipped: exactly m
+        if cfg.co2_nesterov:
+            update.nesterov_direction_(d, m, cfg.co2_outer_momentum)
+        norms = torch.stack([sums[-1], stats[0]]).sqrt()
+        tally.record_direction_(self._counts, self._applies, norms[0], norms[1] * ratio, ratio, stats[1], stats[2])
 
-        def clip(m: Tensor) -> None:
-            # the worker's parameter elements in this fragment ride along, so that the penalty's
-            # mean can be weighed by them across fragments (CO2.pop_metrics)
-            count = torch.tensor(float(n), dtype=penalty_sum.dtype, device=penalty_sum.device)
-            stats = self._comm.reduce_stats(torch.stack([update.norm_sq(m)[0], penalty_sum, count]))
-            ratio = update.clip_ratio(float(stats[0]), self.clip_threshold)
-            if ratio < 1.0:
-                m.mul_(ratio)
-            self._metrics["momentum_norm"].append(float(stats[0]) ** 0.5 * ratio)
-            self._metrics["clip_ratio"].append(ratio)
-            self._metrics["penalty_sum"].append(float(stats[1]))
-            self._metrics["penalty_elements"].append(float(stats[2]))
-
-        update.outer_step_(m, d, cfg.co2_outer_momentum, cfg.co2_nesterov, rescale=clip)
-
-    def _exchange(self) -> bool:
+    def _exchange(self) -> Tensor:
         """Chunk by chunk: ``d = start - x``; ``a <- a - alpha*v`` when a D is waiting; buffer <- d.
 
-        ``v`` is read before its chunk of the buffer is overwritten. Float buffers travel as
-        absolute values. Returns whether d is finite on every process of this worker."""
-        self._hold()
+        ``v`` is read before its chunk of the buffer is overwritten (Nesterov: d is made in scratch
+        first; else straight in the buffer). Float buffers travel as absolute values. Returns whether
+        d is finite on every process of this worker, as a 0-d bool tensor on the device."""
+        payload = self._hold().payload
         v = self._take_step()
+        in_scratch = v is payload
         sums = []
         for chunk in self.layout.chunks:
             lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
-            # d = (a - o) - x, in place in the live copy
+            split = mid - lo
             x = self.live.read(chunk)
-            torch.sub(self._anchor[lo:mid], x[: mid - lo], out=x[: mid - lo])
-            self.start.subtract_offset_(x[: mid - lo], lo, mid)
+            d = x if in_scratch else payload[lo:hi]
+            torch.sub(self._anchor[lo:mid], x[:split], out=d[:split])  # d = (a - o) - x ...
+            self.start.subtract_offset_(d[:split], lo, mid)
+            if v is not None:
+                self._move_anchor(chunk, v)  # reads v and the buffers' mean before they are overwritten
+            if not in_scratch:
+                d[split:].copy_(x[split:])  # the buffers' absolute values, and padding
             # One sum per chunk: NaN and Inf propagate through it, and it is ~30x cheaper than
             # isfinite().all(). (A sum of finite values beyond float32's range also counts as
-            # non-finite; such an outer gradient is unusable anyway.) Stays on device: no sync.
-            sums.append(x.sum())
-            if v is not None:
-                self._move_anchor(chunk, v)
-            self.start.next_offset_(x[: mid - lo], None if v is None else v[lo:mid], lo, mid)
-            self._wire.payload[lo:hi].copy_(x)
-        finite = torch.isfinite(torch.stack(sums)).all() if sums else torch.ones((), dtype=torch.bool)
-        return bool(self._comm.reduce_stats(finite.double().view(1).to(self.device)) >= self._comm.worker_size)
+            # non-finite; such an outer gradient is unusable anyway.)
+            sums.append(d.sum())
+            self.start.next_offset_(d[:split], None if v is None else v[lo:mid], lo, mid, applied=self._applies)
+            if in_scratch:
+                payload[lo:hi].copy_(x)
+        if not sums:
+            return torch.ones((), dtype=torch.bool, device=self.device)
+        finite = torch.isfinite(torch.stack(sums)).all()
+        return self._comm.reduce_stats(finite.double().view(1))[0] >= self._comm.worker_size
 
     def _apply(self) -> None:
         """``a <- a - alpha*v`` (float buffers: the received mean) when a D is waiting."""
@@ -371,13 +472,13 @@ class Fragment:
             for chunk in self.layout.chunks:
                 self._move_anchor(chunk, v)
 
-    def _launch(self, finite: bool) -> None:
-        """Quarantine a non-finite worker, write the header, start the all-reduce of the buffer."""
-        if not finite:
-            self._quarantine()
+    def _launch(self, finite: Tensor) -> None:
+        """A non-finite worker sends zeros with weight 0 and restarts (on the device); write the header,
+        start the all-reduce of the buffer."""
         p = self.progress
+        self._quarantine_where(finite)
         tensor = self._wire.pack_header(
-            finite=finite, round_index=p.round, wait_s=self._last_wait_s, worker_index=self._comm.worker_index
+            finite=finite, round_index=p.round, wait_s=self._header_wait_s(), worker_index=self._comm.worker_index
         )
         p.sent_round = p.round
         with record_function("co2/launch"):
@@ -397,35 +498,58 @@ class Fragment:
                 raise self._peer_failure(error) from error
 
     def _reset(self) -> None:
-        """``x <- a - o`` in place: parameters, and float buffers when the anchor has news for them.
-        Each process of a worker holds 1/k of the anchor: the worker all-gathers it chunk by chunk."""
+        """``x <- a - o`` in place: parameters, and the float buffers where the anchor has news for them
+        (a D was applied) or this worker restarts (it was not finite). Each process of a worker holds 1/k
+        of the anchor: the worker all-gathers it chunk by chunk."""
+        buffers = ~self._finite
         if self._anchor_news:
-            self.live.write_all(self._start_of)
-        else:
-            self.live.write_params(self._start_of)
+            buffers = buffers | self._takes
+        self.live.write_params(self._start_of, buffers=buffers)
         self._anchor_news = False
 
     def _shift(self) -> None:
         """Move each live parameter by (new anchor - where its round started), keeping the steps
         it took since; buffers take the received mean. A round started at ``a - o``; the anchor
-        just moved by ``-alpha * v``. Afterwards the round counts as started at the new anchor."""
+        just moved by ``-alpha * v``. Afterwards the round counts as started at the new anchor.
+        A skipped D (no worker finite) moves nothing and keeps the start (decided on the device)."""
         if not self._anchor_news:
-            return  # the round's average was skipped: nothing moved
-        self.live.shift(self._anchor_move)
-        self.start.clear_()
-        self._hold_unsent()  # the all-reduce just received has coded the residual
+            return  # the round's average was dropped: nothing moved
+        self.live.shift(self._anchor_move, buffers=self._takes)
+        self.start.clear_where_(self._applies)
+        self._hold_unsent(weight=self._applies)  # the all-reduce just received has coded the residual
         self._anchor_news = False
 
     # ------------------------------------------------------------------ helpers of the phases
 
-    def _hold_unsent(self) -> None:
+    def _hold_unsent(self, weight: Tensor | None = None) -> None:
         """``o <- o + r``: with ``co2_sparse_keep_unsent`` the worker's next start keeps its own progress
         that the sparse wire has not sent yet (its error-feedback residual ``r``), instead of
         dropping it from its model until top-k picks it. The anchor does not change; ``d`` is
         measured from this start, so what the worker owes stays ``d + r``. Read only while no coded
-        all-reduce of this fragment is in flight (the residual is its to write)."""
+        all-reduce of this fragment is in flight (the residual is its to write). ``weight`` (0-d,
+        0 or 1) holds it only where an update was applied."""
         if self._holds_unsent:
-            self.start.offset.add_(self.codec.unsent[: self.start.offset.numel()])
+            unsent = self.codec.unsent[: self.start.offset.numel()]
+            if weight is None:
+                self.start.offset.add_(unsent)
+            else:
+                self.start.offset.addcmul_(unsent, weight)
+
+    def _quarantine_where(self, finite: Tensor) -> None:
+        """On the device: where this worker's outer gradient is not finite, it sends zeros (weight 0
+        in the header) and restarts from the anchor (offset cleared, buffers restored at the reset).
+        The tally tells the host, which warns and clears the inner optimizer (`CO2`)."""
+        self._wire.payload.masked_fill_(~finite, 0.0)
+        self.start.keep_where_(finite)
+        tally.record_send_(self._counts, finite=finite, round_index=self.progress.round)
+        self._decided(finite=finite)
+
+    def _header_wait_s(self) -> float:
+        """This rank's last exposed wait, as far as the host knows it without waiting for the device
+        (on a GPU the events of the newest wait may not have completed yet: then the one before)."""
+        if self._last_wait.ready():
+            self._known_wait_s = self._last_wait.get()
+        return self._known_wait_s
 
     def _take_step(self) -> Tensor | None:
         """The step v of the D waiting in the buffer, which counts as applied from now (None: none)."""
@@ -442,38 +566,26 @@ class Fragment:
 
     def _move_anchor(self, chunk: Chunk, v: Tensor) -> None:
         lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
-        update.move_anchor_(
-            self._anchor[lo:hi], v[lo:hi], self._wire.payload[lo:hi], mid - lo, self.config.co2_outer_lr
+        update.move_anchor_where_(
+            self._anchor[lo:hi], v[lo:hi], self._wire.payload[lo:hi], mid - lo, neg_lr=self._neg_lr, take=self._takes
         )
 
     def _start_of(self, chunk: Chunk) -> Tensor:
         """Where this chunk's next round starts: ``a - o``."""
-        return self.start.start_point(self._anchor[chunk.start : chunk.stop], chunk.start, chunk.param_stop)
+        lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
+        return self.start.start_point(self._anchor[lo:hi], lo, mid, self.live.scratch(hi - lo, "start"))
 
     def _anchor_move(self, chunk: Chunk) -> Tensor:
-        """What the shift adds to this chunk: ``-alpha * v + o`` on parameters, buffers' new mean."""
+        """What the shift adds to this chunk: ``-alpha * v + o`` on parameters, buffers' new mean
+        (times 0 for a skipped D: nothing moves)."""
         lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
-        move = self.live.scratch(hi - lo)
-        torch.mul(self._step_v[lo:mid], -self.config.co2_outer_lr, out=move[: mid - lo])
-        self.start.add_offset_(move[: mid - lo], lo, mid)
+        move = self.live.scratch(hi - lo, "move")
+        torch.mul(self._step_v[lo:mid], self._neg_lr, out=move[: mid - lo])
+        self.start.add_offset_(move[: mid - lo], lo, mid, self._applies)
         if self._holds_unsent:
-            move[: mid - lo].sub_(self.codec.unsent[lo:mid])  # ... less the unsent progress kept
+            move[: mid - lo].addcmul_(self.codec.unsent[lo:mid], -self._applies)  # ... less the unsent progress kept
         move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
         return move
-
-    def _quarantine(self) -> None:
-        """A worker whose outer gradient is not finite sends zeros with weight 0 and restarts."""
-        logger.warning(
-            "CO2: worker %d has a non-finite outer gradient at round %d; it sends nothing this "
-            "round, returns to the anchor and clears its inner optimizer state",
-            self._comm.worker_index,
-            self.progress.round,
-        )
-        self._wire.payload.zero_()
-        self.start.clear_()
-        self._anchor_news = True  # the reset restores the float buffers too
-        if self.optimizer is not None:
-            self.optimizer.state.clear()
 
     def _peer_failure(self, error: Exception) -> RuntimeError:
         return RuntimeError(

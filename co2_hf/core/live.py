@@ -21,35 +21,51 @@ from .comm import Communicator
 from .layout import Chunk, FlatLayout
 
 
+class Scratch:
+    """Reusable fp32 working memory, one buffer per use (``"read"``, ``"start"``, ``"move"``), shared by
+    the engine and its fragments: a boundary allocates nothing. Freshly allocated memory costs more
+    than the copy into it on the CPU (the pages are touched for the first time at every boundary) and
+    a pinned host allocation on a GPU machine. Each buffer grows to the largest request (one chunk)."""
+
+    def __init__(self, device: torch.device, *, pin_memory: bool = False) -> None:
+        self.device, self.pin_memory = device, pin_memory
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, numel: int) -> Tensor:
+        """``numel`` uninitialised fp32 values of buffer ``name`` (valid until its next use)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=torch.float32, device=self.device, pin_memory=self.pin_memory)
+            self._buffers[name] = buffer
+        return buffer[:numel]
+
+
 class LiveTensors:
     """The live tensors seen through the flat layout of this process's shard."""
 
-    def __init__(
-        self, layout: FlatLayout, comm: Communicator, device: torch.device, *, pin_memory: bool = False
-    ) -> None:
-        self.layout, self.comm, self.device = layout, comm, device
-        self.pin_memory = pin_memory  # host scratch for a GPU model: copies both ways at full PCIe speed
+    def __init__(self, layout: FlatLayout, comm: Communicator, scratch: Scratch) -> None:
+        self.layout, self.comm, self.device = layout, comm, scratch.device
+        self._scratch = scratch  # pinned where the state is, for a GPU model: full PCIe speed both ways
         # chunk c of every shard of this worker, in shard order: what an all-gather of chunk c fills
         # (pre-sharded by FSDP2: this process's own chunks only, nothing is gathered)
         shards = [layout.chunks]
         if layout.gathers:
             shards = [
-                layout.chunks if j == layout.shard_index else layout.shard_chunks(j)
-                for j in range(layout.worker_size)
+                layout.chunks if j == layout.shard_index else layout.shard_chunks(j) for j in range(layout.worker_size)
             ]
         self._every_shard = list(zip(*shards))
 
-    def scratch(self, numel: int) -> Tensor:
-        """Uninitialised fp32 scratch on the state's device; pinned where the state is, so that the
-        copies between it and a GPU model are as fast as the anchor's (torch caches pinned blocks)."""
-        return torch.empty(numel, dtype=torch.float32, device=self.device, pin_memory=self.pin_memory)
+    def scratch(self, numel: int, name: str = "move") -> Tensor:
+        """Uninitialised fp32 scratch on the state's device (`Scratch`: valid until its next use)."""
+        return self._scratch.get(name, numel)
 
     def read(self, chunk: Chunk) -> Tensor:
-        """A fresh fp32 copy of the live values in ``chunk`` (zeros in its padding)."""
-        x = self.scratch(chunk.stop - chunk.start).zero_()
+        """An fp32 copy of the live values in ``chunk`` (zeros in its padding), in the ``"read"`` scratch."""
+        x = self._scratch.get("read", chunk.stop - chunk.start)
+        covered = sum(chunk.lengths)
         if chunk.live:
-            pieces = list(x[: sum(chunk.lengths)].split(chunk.lengths))
-            torch._foreach_copy_(pieces, chunk.live)
+            torch._foreach_copy_(list(x[:covered].split(chunk.lengths)), chunk.live)
+        x[covered:].zero_()
         return x
 
     def grads(self) -> list[Tensor]:
@@ -66,38 +82,53 @@ class LiveTensors:
             grads.append(grad.to_local() if segment.dtensor is not None else grad)
         return grads
 
-    def write_params(self, source: Callable[[Chunk], Tensor]) -> None:
-        """Chunk by chunk, set the live parameters to ``source(chunk)``; buffers keep their values."""
-        self._write(source, lambda piece: piece.param_pieces)
+    def write_params(self, source: Callable[[Chunk], Tensor], *, buffers: Tensor | None = None) -> None:
+        """Chunk by chunk, set the live parameters to ``source(chunk)``; the float buffers too where
+        ``buffers`` (a 0-d bool tensor, decided on the device) is True, else they keep their values."""
+        for chunk, every_shard in self._chunks():
+            for part, piece in zip(self._worker_parts(source(chunk)), every_shard):
+                _scatter(piece, part, piece.param_pieces)
+                if buffers is not None and piece.param_pieces < len(piece.live):
+                    self._write_buffers_where(piece, part, buffers)
 
     def write_all(self, source: Callable[[Chunk], Tensor]) -> None:
         """Chunk by chunk, set the live parameters and float buffers to ``source(chunk)``."""
-        self._write(source, lambda piece: len(piece.live))
+        for chunk, every_shard in self._chunks():
+            for part, piece in zip(self._worker_parts(source(chunk)), every_shard):
+                _scatter(piece, part, len(piece.live))
 
-    def shift(self, move: Callable[[Chunk], Tensor]) -> None:
+    def shift(self, move: Callable[[Chunk], Tensor], *, buffers: Tensor) -> None:
         """Chunk by chunk, add ``move(chunk)`` to the live parameters and set the buffers to its
-        buffer part (``move`` holds parameter moves first, then absolute buffer values)."""
+        buffer part where ``buffers`` (0-d bool, on the device) is True (``move`` holds parameter
+        moves first, then absolute buffer values)."""
         for chunk, every_shard in self._chunks():
             for part, piece in zip(self._worker_parts(move(chunk)), every_shard):
                 x = self.read(piece)
                 n = piece.param_stop - piece.start
                 x[:n].add_(part[:n])
-                x[n:].copy_(part[n:])
+                torch.where(buffers, part[n:], x[n:], out=x[n:])
                 _scatter(piece, x, len(piece.live))
 
     def gather_flat(self, shard: Tensor) -> Tensor:
         """The whole flat vector of which ``shard`` is this process's slice (all-gathered, k > 1)."""
-        full = self.scratch(self.layout.padded_numel)
+        pinned = self._scratch.pin_memory
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device, pin_memory=pinned)
         size = self.layout.shard_numel
         for chunk in self.layout.chunks:
             for j, part in enumerate(self.comm.all_gather(shard[chunk.start : chunk.stop])):
                 full[j * size + chunk.start : j * size + chunk.stop].copy_(part)
         return full
 
-    def _write(self, source: Callable[[Chunk], Tensor], count: Callable[[Chunk], int]) -> None:
-        for chunk, every_shard in self._chunks():
-            for part, piece in zip(self._worker_parts(source(chunk)), every_shard):
-                _scatter(piece, part, count(piece))
+    def _write_buffers_where(self, piece: Chunk, part: Tensor, take: Tensor) -> None:
+        """The live float buffers of ``piece`` become ``part``'s buffer values where ``take`` is True
+        (``part`` is not modified: it may be the anchor itself)."""
+        first, n = piece.param_pieces, piece.param_stop - piece.start
+        lengths, live = piece.lengths[first:], piece.live[first:]
+        values = self._scratch.get("read", sum(lengths))
+        pieces = list(values.split(lengths))
+        torch._foreach_copy_(pieces, live)
+        torch.where(take, part[n : n + values.numel()], values, out=values)
+        torch._foreach_copy_(live, pieces)
 
     def _chunks(self) -> Iterator[tuple[Chunk, tuple[Chunk, ...]]]:
         return zip(self.layout.chunks, self._every_shard)

@@ -209,11 +209,13 @@ class QuantizedWire:
         self.sent.residual[:kept].copy_(sent[:kept])
 
     def all_reduce_(
-        self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool, round_index: int
+        self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool | Tensor, round_index: int
     ) -> None:
         """Sum ``x`` over the workers through codes, and ``exact`` (the header) exactly.
         ``feedback=False`` (a non-finite worker, which sends zeros) leaves this rank's own residual
-        for a later round."""
+        for a later round; a 0-d bool tensor (the engine's, decided on the device) is read here, in the
+        communicator's thread, off the compute path."""
+        feedback = bool(feedback)
         if collectives.world_size != self.world or (self._rank is not None and collectives.rank != self._rank):
             self._regroup(collectives.world_size, collectives.rank)
         self._rank = collectives.rank

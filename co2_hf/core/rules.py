@@ -40,22 +40,35 @@ class AnchorStart:
     def subtract_offset_(self, x: Tensor, lo: int, mid: int) -> None:
         """``x <- x - o[lo:mid]``: turns ``a - x`` into ``start - x``."""
 
-    def add_offset_(self, x: Tensor, lo: int, mid: int) -> None:
-        """``x <- x + o[lo:mid]``."""
+    def add_offset_(self, x: Tensor, lo: int, mid: int, weight: Tensor) -> None:
+        """``x <- x + weight * o[lo:mid]`` (``weight``: a 0-d tensor, 0 or 1: whether an update was applied)."""
 
-    def start_point(self, anchor: Tensor, lo: int, mid: int) -> Tensor:
-        """Where this chunk's round starts, ``a - o``, from the anchor's chunk (not modified)."""
+    def start_point(self, anchor: Tensor, lo: int, mid: int, scratch: Tensor) -> Tensor:
+        """Where this chunk's round starts, ``a - o``, from the anchor's chunk (not modified), in
+        ``scratch`` where it differs from the anchor."""
         return anchor
 
-    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int, *, applied: Tensor) -> None:
         """Set ``o[lo:mid]`` for the next round from ``d`` (this worker's outer gradient just measured)
-        and ``v`` (the step whose ``-alpha * v`` just moved the anchor; None when none did)."""
+        and ``v`` (the step whose ``-alpha * v`` moved the anchor; None when none was taken; ``applied``,
+        a 0-d 0/1 tensor, says on the device whether it was or was skipped)."""
+
+    def keep_where_(self, finite: Tensor) -> None:
+        """``o <- 0`` where ``finite`` (a 0-d bool tensor) is False: a non-finite worker restarts at
+        the anchor. Decided on the device: no host read."""
+
+    def clear_where_(self, applied: Tensor) -> None:
+        """``o <- 0`` if ``applied`` (0-d, 0 or 1): the round now counts as started at the new anchor."""
 
     def clear_(self) -> None:
         """``o <- 0``: the round (re)starts at the anchor itself."""
 
     def load_(self, saved: Tensor | None) -> None:
         """Restore ``o`` from a checkpoint."""
+
+    def bind_(self, *, offset: Tensor | None, momentum: Tensor) -> None:
+        """Work on these tensors from now on (host-memory state: the fragment's copies on the GPU
+        while it works, its host copies otherwise; ``residency.py``)."""
 
     def nbytes(self) -> int:
         return 0
@@ -71,21 +84,29 @@ class _OffsetStart(AnchorStart):
     def subtract_offset_(self, x: Tensor, lo: int, mid: int) -> None:
         x.sub_(self.offset[lo:mid])
 
-    def add_offset_(self, x: Tensor, lo: int, mid: int) -> None:
-        x.add_(self.offset[lo:mid])
+    def add_offset_(self, x: Tensor, lo: int, mid: int, weight: Tensor) -> None:
+        x.addcmul_(self.offset[lo:mid], weight)  # x + 1 * o is exactly x + o
 
-    def start_point(self, anchor: Tensor, lo: int, mid: int) -> Tensor:
-        # a copy in the anchor's kind of memory (clone() would drop the pinning of host state)
-        start = torch.empty(anchor.shape, dtype=anchor.dtype, device=anchor.device, pin_memory=anchor.is_pinned())
-        start.copy_(anchor)
-        start[: mid - lo].sub_(self.offset[lo:mid])
-        return start
+    def start_point(self, anchor: Tensor, lo: int, mid: int, scratch: Tensor) -> Tensor:
+        split = mid - lo
+        torch.sub(anchor[:split], self.offset[lo:mid], out=scratch[:split])
+        scratch[split:].copy_(anchor[split:])
+        return scratch
+
+    def keep_where_(self, finite: Tensor) -> None:
+        self.offset.masked_fill_(~finite, 0.0)
+
+    def clear_where_(self, applied: Tensor) -> None:
+        self.offset.mul_(1.0 - applied)  # the offset is finite: o * 1 = o, o * 0 = 0
 
     def clear_(self) -> None:
         self.offset.zero_()
 
     def load_(self, saved: Tensor | None) -> None:
         self.offset.copy_(saved)
+
+    def bind_(self, *, offset: Tensor | None, momentum: Tensor) -> None:
+        self.offset, self.momentum = offset, momentum
 
     def nbytes(self) -> int:
         return self.offset.numel() * self.offset.element_size()
@@ -94,14 +115,14 @@ class _OffsetStart(AnchorStart):
 class EagerStart(_OffsetStart):
     """``eager`` (weight gamma = ``co2_eager_weight``): ``o <- gamma * d + (1 - gamma) * alpha * v``."""
 
-    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int, *, applied: Tensor) -> None:
         gamma, own = self.config.co2_eager_weight, self.offset[lo:mid]
         if gamma == 1.0:
             own.copy_(d)
             return
         torch.mul(d, gamma, out=own)
-        if v is not None:
-            own.add_(v, alpha=(1.0 - gamma) * self.config.co2_outer_lr)
+        if v is not None:  # one fused multiply-add, rounded as add_(v, alpha=...) is (tests/test_update.py)
+            own.addcmul_(v, applied * ((1.0 - gamma) * self.config.co2_outer_lr))
 
 
 class LookaheadStart(_OffsetStart):
@@ -109,7 +130,7 @@ class LookaheadStart(_OffsetStart):
     in flight equalled ``d``: ``m' = beta * m + d``, ``step = m'`` (Nesterov: ``beta * m' + d``), with
     ``m`` the momentum just updated (the coming penalty and clipping are not predicted)."""
 
-    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int, *, applied: Tensor) -> None:
         cfg = self.config
         update.lookahead_offset_(
             self.offset[lo:mid], d, self.momentum[lo:mid], cfg.co2_outer_momentum, cfg.co2_nesterov, cfg.co2_outer_lr
@@ -120,7 +141,7 @@ class HeldAnchorStart(_OffsetStart):
     """``anchor`` where the engine keeps something in the start (the sparse wire's unsent progress,
     ``co2_sparse_keep_unsent``): ``o <- 0`` at each boundary, and the engine adds to it."""
 
-    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int) -> None:
+    def next_offset_(self, d: Tensor, v: Tensor | None, lo: int, mid: int, *, applied: Tensor) -> None:
         self.offset[lo:mid].zero_()
 
 
@@ -163,8 +184,8 @@ class NoPenalty:
 
     def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
         """In place ``d <- P * d`` (``stats``: `partials` summed over the worker, ``||D||^2`` dropped);
-        return the local sum of P over parameter elements."""
-        return torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)
+        return the local sum of P over parameter elements, a 0-d float64 tensor on ``d``'s device."""
+        return d.new_full((), float(d.numel()), dtype=torch.float64)
 
 
 class ConstantPenalty(NoPenalty):
@@ -175,40 +196,58 @@ class ConstantPenalty(NoPenalty):
 
     def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
         d.mul_(self.p)
-        return torch.tensor(self.p * d.numel(), dtype=torch.float64, device=d.device)
+        return d.new_full((), self.p * d.numel(), dtype=torch.float64)
 
 
 class GapAwarePenalty(NoPenalty):
     """``gap_aware``: elementwise ``P = 1 / max(1, lambda * |alpha * m| / mean|D|)``, the mean taken
-    over each whole synchronised tensor."""
+    over each whole synchronised tensor.
+
+    Its operations do not grow with the number of tensors (a model of 400 tensors dispatches what one
+    of 10 does, tests/test_host_reads.py): the per-tensor sums of ``|D|`` are one ``_foreach_norm``
+    over the pieces of every tensor (one fused kernel on a GPU; on the CPU the same sums as one
+    ``vector_norm`` per piece, bit for bit), and the mean reaches each element of a chunk through one
+    ``repeat_interleave`` of the per-piece means (index tensors made once, on the device)."""
 
     def __init__(self, config: CO2Config, layout: FlatLayout, device: torch.device) -> None:
         self.lam, self.alpha = config.co2_gap_penalty, config.co2_outer_lr
         self.layout = layout
-        self.pieces = _param_pieces(layout)
-        self.piece_segment_ids = torch.tensor([sid for sid, _, _ in self.pieces], device=device)
+        pieces = _param_pieces(layout)
+        self.piece_lengths = [hi - lo for _, lo, hi in pieces]
+        self.piece_segment_ids = torch.tensor([sid for sid, _, _ in pieces], dtype=torch.long, device=device)
+        self.segment_numels = layout.segment_numels.to(device)
+        # per chunk: (start, stop of its parameters, which pieces, their lengths as a device tensor)
+        self.chunks = []
+        first = 0
+        for chunk in layout.chunks:
+            count = chunk.param_pieces
+            lengths = torch.tensor(chunk.lengths[:count], dtype=torch.long, device=device)
+            self.chunks.append((chunk.start, chunk.param_stop, slice(first, first + count), lengths))
+            first += count
 
     def partials(self, d: Tensor) -> Tensor:
-        """Local sums of ``|D|`` per synchronised tensor, then ``||D||^2``, in float64.
-
-        One fused reduction per piece of a tensor (``vector_norm`` with ord 1 allocates nothing),
-        instead of materialising ``|D|``: this runs once per round over the whole shard."""
-        sums = torch.zeros(len(self.layout.segments) + 1, dtype=torch.float64, device=d.device)
-        parts = [torch.linalg.vector_norm(d[lo:hi], ord=1) for _, lo, hi in self.pieces]
-        if parts:
-            sums.index_add_(0, self.piece_segment_ids, torch.stack(parts).double())
+        """Local sums of ``|D|`` per synchronised tensor, then ``||D||^2``, in float64."""
+        sums = d.new_zeros(len(self.layout.segments) + 1, dtype=torch.float64)
+        if self.piece_lengths:
+            pieces = d[: sum(self.piece_lengths)].split(self.piece_lengths)
+            norms = torch.stack(torch._foreach_norm(pieces, 1)).double()
+            sums.index_add_(0, self.piece_segment_ids, norms)
         sums[-1] = update.norm_sq(d)[0]
         return sums
 
     def scale_(self, d: Tensor, m: Tensor, stats: Tensor) -> Tensor:
-        means = (stats / self.layout.segment_numels.to(stats.device)).float()
-        totals = []
-        for sid, lo, hi in self.pieces:  # each piece lies in one tensor: its mean is a scalar
-            u = m[lo:hi] if self.alpha == 1.0 else m[lo:hi] * self.alpha
-            p = update.gap_aware_penalty(d[lo:hi], u, means[sid], self.lam)
-            d[lo:hi].mul_(p)
-            totals.append(p.sum(dtype=torch.float64))
-        return torch.stack(totals).sum() if totals else torch.zeros((), dtype=torch.float64, device=d.device)
+        means = (stats / self.segment_numels).float()
+        piece_means = means[self.piece_segment_ids]
+        total = d.new_zeros((), dtype=torch.float64)
+        for lo, mid, pieces, lengths in self.chunks:
+            if mid <= lo:
+                continue
+            mean = piece_means[pieces].repeat_interleave(lengths, output_size=mid - lo)  # each element's tensor's
+            u = m[lo:mid] if self.alpha == 1.0 else m[lo:mid] * self.alpha
+            p = update.gap_aware_penalty(d[lo:mid], u, mean, self.lam)
+            d[lo:mid].mul_(p)
+            total += p.sum(dtype=torch.float64)
+        return total
 
 
 PENALTIES = {"gap_aware": GapAwarePenalty, "constant": ConstantPenalty}

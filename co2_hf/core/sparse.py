@@ -196,10 +196,12 @@ class SparseWire:
         self.feedback = SparseFeedback(padded, decay=decay, device=device, pin_memory=pin_memory)
 
     def all_reduce_(
-        self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool, round_index: int
+        self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool | Tensor, round_index: int
     ) -> None:
         """Sum ``x`` (its parameters as sparse codes, its buffers exactly) and ``exact`` (the header)
-        over the workers. ``feedback=False`` (a non-finite worker's zeros) leaves the residual alone."""
+        over the workers. ``feedback=False`` (a non-finite worker's zeros) leaves the residual alone; a
+        0-d bool tensor (the engine's) is read here, in the communicator's thread, off the compute path."""
+        feedback = bool(feedback)
         generator = None
         if self.stochastic:
             generator = torch.Generator(device=x.device)

@@ -44,9 +44,14 @@ def momentum_(m: Tensor, pd: Tensor, beta: float) -> Tensor:
     return m.mul_(beta).add_(pd)
 
 
-def clip_ratio(norm_sq: float, phi: float | None) -> float:
-    """``min(1, phi / ||m||)``: the factor that clips the outer momentum (1 when ``phi`` is None)."""
-    if phi is None or norm_sq <= phi * phi:
+def clip_ratio(norm_sq: float | Tensor, phi: float | None) -> float | Tensor:
+    """``min(1, phi / ||m||)``: the factor that clips the outer momentum (1 when ``phi`` is None).
+    ``norm_sq`` may be a tensor on the device: the ratio then stays there (no host read)."""
+    if phi is None:
+        return 1.0 if not isinstance(norm_sq, Tensor) else torch.ones_like(norm_sq)
+    if isinstance(norm_sq, Tensor):
+        return torch.where(norm_sq <= phi * phi, 1.0, norm_sq.new_full((), phi) / norm_sq.sqrt())
+    if norm_sq <= phi * phi:
         return 1.0
     return phi / norm_sq**0.5
 
@@ -78,6 +83,15 @@ def move_anchor_(anchor: Tensor, v: Tensor, mean: Tensor, split: int, lr: float)
     buffers travel as absolute values, so their new value is the received mean ``mean``)."""
     anchor[:split].sub_(v[:split], alpha=lr)
     anchor[split:].copy_(mean[split:])
+
+
+def move_anchor_where_(anchor: Tensor, v: Tensor, mean: Tensor, split: int, *, neg_lr: Tensor, take: Tensor) -> None:
+    """`move_anchor_` decided on the device: ``neg_lr`` is ``-lr`` (``-0.0``: the update is skipped)
+    and ``take`` whether the buffers take the mean, both 0-d tensors. One fused multiply-add, which
+    rounds as ``sub_(v, alpha=lr)`` does (tests/test_update.py)."""
+    anchor[:split].addcmul_(v[:split], neg_lr)
+    if anchor.numel() > split:
+        torch.where(take, mean[split:], anchor[split:], out=anchor[split:])
 
 
 def lookahead_offset_(out: Tensor, d: Tensor, m: Tensor, beta: float, nesterov: bool, lr: float) -> Tensor:

@@ -41,6 +41,7 @@ class WireBuffer:
         self.num_workers = num_workers
         # what the all-reduce carries: the fp32 buffer itself, or a copy in the wire's dtype
         self.wire = self.fp32 if wire is None else wire
+        self._shifts = torch.arange(ROUND_BITS, device=fp32.device)  # bit k of a round index: (t >> k) & 1
 
     @classmethod
     def zeros(cls, payload_numel: int, num_workers: int, *, wire_dtype: torch.dtype, **zeros) -> WireBuffer:
@@ -52,30 +53,27 @@ class WireBuffer:
         wire = self.wire.numel() * self.wire.element_size() if self.wire is not self.fp32 else 0
         return self.fp32.numel() * self.fp32.element_size() + wire
 
-    def pack_header(self, *, finite: bool, round_index: int, wait_s: float, worker_index: int) -> Tensor:
-        """Write this worker's header and return the tensor to all-reduce (the payload is written)."""
-        self.weight.fill_(1.0 if finite else 0.0)
-        self.round_bits.copy_((round_index >> torch.arange(ROUND_BITS)) & 1)
+    def pack_header(self, *, finite: Tensor, round_index: int, wait_s: float, worker_index: int) -> Tensor:
+        """Write this worker's header and return the tensor to all-reduce (the payload is written).
+        ``finite`` is a 0-d bool tensor on the buffer's device: the weight is set from it there."""
+        self.weight.copy_(finite)
+        self.round_bits.copy_((round_index >> self._shifts) & 1)
         self.waits.zero_()
-        self.waits[worker_index] = wait_s
+        self.waits[worker_index].fill_(wait_s)
         if self.wire is not self.fp32:
             self.wire.copy_(self.fp32)
         return self.wire
 
-    def unpack(self, sent_round: int, *, senders: int | None = None) -> tuple[float, float]:
-        """After the all-reduce: check that every worker that took part (``senders``; None: all
-        ``num_workers``) sent round ``sent_round``; return (how many workers were finite, the
-        longest wait any worker reported)."""
+    def unpack(self, sent_round: int, *, senders: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """After the all-reduce, on the device: (how many workers were finite, whether the round bits
+        disagree with round ``sent_round`` sent by every worker that took part (``senders``; None: all
+        ``num_workers``), the longest wait any worker reported), as 0-d tensors. Nothing is read by
+        the host: the engine tallies them (``tally.py``)."""
         if self.wire is not self.fp32:
             self.fp32.copy_(self.wire)
         senders = self.num_workers if senders is None else senders
-        expected = ((sent_round >> torch.arange(ROUND_BITS)) & 1).to(self.round_bits) * senders
-        if not torch.equal(self.round_bits, expected.to(self.round_bits.device)):
-            raise RuntimeError(
-                f"CO2: ranks out of step at round {sent_round}: the outer all-reduce mixed "
-                "different rounds (every rank must call CO2.step() once per inner step)"
-            )
-        return float(self.weight), float(self.waits.max())
+        expected = ((sent_round >> self._shifts) & 1) * senders
+        return self.weight.clone(), (self.round_bits != expected).any(), self.waits.max()
 
 
 class WirePool:
