@@ -141,7 +141,9 @@ class CO2Config:
         "link; CO2 runs between workers. Must divide the world size.",
     )
     co2_state_device: Literal["same", "cpu"] = _knob(
-        "same", "Where anchor, momentum and buffer live: 'same' as the parameters, or 'cpu'."
+        "same",
+        "Where anchor, momentum and buffer live: 'same' as the parameters, or 'cpu' (host memory, worked on by the "
+        "GPU a fragment at a time with streaming fragments: docs/gpus.md).",
     )
     co2_max_skipped_rounds: int = _knob(
         3,

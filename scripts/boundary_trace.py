@@ -1,11 +1,11 @@
 """What each of CO2's boundary events costs in operations, host reads and memory traffic, on one process.
 
-    python scripts/boundary_trace.py                       # every setting of scripts/time_boundary.py
+    python scripts/boundary_trace.py                       # every setting below
     python scripts/boundary_trace.py --settings streaming paper --width 256 --depth 4
 
-For each setting it builds the ~10M-parameter MLP of ``scripts/time_boundary.py`` (one worker: every
-all-reduce is the identity, so what is counted is the engine's own work), runs one untimed round, then
-traces every ``co2.step()`` of the next round with ``co2_hf.testing.DispatchTrace`` and prints one
+For each setting (tau 12, clipping on) it builds the ~10M-parameter MLP of ``scripts/time_boundary.py``
+(one worker: every all-reduce is the identity, so what is counted is the engine's own work), runs one
+untimed round, then traces every ``co2.step()`` of the next round with ``co2_hf.testing.DispatchTrace`` and prints one
 line per step that ran an event: the events (``B3``: fragment 3's boundary, ``A2``: fragment 2's
 in-round apply), the operations dispatched, the host reads (a GPU's host would wait there: the
 engine's target is 0), the bytes read and written, and the same traffic in fp32 **words per element**
@@ -32,9 +32,16 @@ if not __package__:  # run as a file: import the package `scripts` from the repo
 from co2_hf import CO2, CO2Config  # noqa: E402
 from co2_hf.core.schedule import Event, Plan  # noqa: E402
 from co2_hf.testing import DispatchTrace  # noqa: E402
-from scripts.time_boundary import SETTINGS, model_of  # noqa: E402
+from scripts.time_boundary import model_of  # noqa: E402
 
-SETTINGS = {**SETTINGS, "paper": dict(co2_start_rule="anchor", co2_gap_penalty=1.0, co2_outer_momentum=0.2)}
+# at tau 12: the defaults (12 streaming fragments), one fragment, the paper's form, no overlap
+SETTINGS = {
+    "streaming": {},
+    "streaming_nesterov": dict(co2_nesterov=True),
+    "one_fragment": dict(co2_fragments=1),
+    "paper": dict(co2_fragments=1, co2_start_rule="anchor", co2_gap_penalty=1.0, co2_outer_momentum=0.2),
+    "synchronous": dict(co2_fragments=1, co2_overlap=False),
+}
 
 
 def minimum_words(plan: Plan, config: CO2Config, event: Event, *, applies: bool) -> int:
@@ -66,7 +73,7 @@ def trace_setting(name: str, *, width: int, depth: int) -> list[dict]:
     edges = co2.layout.fragment_edges
     tau = cfg.co2_local_steps
     rows = []
-    for step in range(2 * tau + 1):
+    for step in range(2 * tau):
         with torch.no_grad():
             torch._foreach_add_(params, 1e-4 * (1 if step % 2 else -1))
         due = plan.due(co2.round_step + 1) if co2.warmup_done else ()

@@ -9,7 +9,8 @@ with ``co2_state_device=cpu``, the copies between the GPU and host memory. Runs,
 ``--repeats`` times in one invocation so that a busy device moves them together: ``plain`` (no CO2),
 ``co2`` (the defaults: streaming, a fragment's boundary and another's apply after every step),
 ``co2_full`` (one fragment: the whole boundary every tau-th step), ``co2_paper`` (the SPEC's form:
-anchor start, beta 0.2, gap-aware penalty) and ``co2_cpu_state`` (the defaults, state in host memory).
+anchor start, beta 0.2, gap-aware penalty) and ``co2_cpu_state`` (the defaults, state in host memory);
+``--runs`` may add ``co2_f6``, ``co2_f4``, ``co2_f2`` (the F sweep between the default F = tau and 1).
 
 What is timed: ``--rounds`` whole rounds of tau steps after an untimed first round (round 0: first
 calls, the anchor), with the device synchronised once before and once after, never between steps,
@@ -44,11 +45,15 @@ import torch
 SHAPES = {"small": dict(n_embd=768, n_layer=12, n_head=12), "tiny": dict(n_embd=64, n_layer=2, n_head=2)}
 RUNS = {
     "plain": None,
-    "co2": dict(),
+    "co2": dict(),  # the defaults: F = tau streaming fragments, lookahead
+    "co2_f6": dict(co2_fragments=6),
+    "co2_f4": dict(co2_fragments=4),
+    "co2_f2": dict(co2_fragments=2),
     "co2_full": dict(co2_fragments=1),
     "co2_paper": dict(co2_fragments=1, co2_start_rule="anchor", co2_outer_momentum=0.2, co2_gap_penalty=1.0),
     "co2_cpu_state": dict(co2_state_device="cpu"),
 }
+DEFAULT_RUNS = ["plain", "co2", "co2_full", "co2_paper", "co2_cpu_state"]  # the F sweep: --runs ... co2_f6 ...
 TARGET = 1.03  # the issue's: CO2's time per step at most 3% above plain training's
 
 
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tau", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5, help="whole rounds timed per run, after an untimed one")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, choices=list(RUNS))
     parser.add_argument("--codecs", nargs="*", default=["int8", "int4"], choices=["int8", "int4"])
     parser.add_argument(
         "--codec-numel", type=int, help="values the codecs code per round (default: the --model's parameters)"

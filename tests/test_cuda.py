@@ -41,7 +41,7 @@ def _train(model, co2, optimizer, steps: int) -> None:
 def _engine(state_device: str, **cfg):
     model = TinyNet(seed=0).cuda()
     optimizer = make_optimizer(model)
-    config = CO2Config(co2_local_steps=2, co2_state_device=state_device, **cfg)
+    config = CO2Config(**{"co2_local_steps": 2, "co2_state_device": state_device, **cfg})
     return model, optimizer, CO2(model, config, optimizer=optimizer)
 
 
@@ -105,3 +105,35 @@ def test_cuda_all_reduce_is_timed_with_events_on_the_gpu_clock(one_rank_nccl):
     assert 0.0 < pending.comm_seconds() < 5.0
     assert pending.wait_seconds(since) < 0.01
     torch.testing.assert_close(tensor, torch.ones_like(tensor))  # the sum over one rank
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        dict(co2_fragments=1, co2_start_rule="anchor", co2_gap_penalty=1.0, co2_clip_threshold=1e-3),
+        dict(co2_overlap=False, co2_nesterov=True),
+        dict(co2_state_device="cpu"),  # host-memory state, staged on the GPU a fragment at a time
+    ],
+    ids=["streaming", "paper_gap_aware_clip", "synchronous_nesterov", "host_state"],
+)
+def test_no_host_read_between_logging_steps_on_a_gpu(knobs):
+    """On the GPU itself: no step that does not log reads a device value into Python, makes a tensor
+    from host data or copies between host and device with a wait (tests/test_host_reads.py checks the
+    same on the CPU, at every setting)."""
+    from co2_hf.testing import DispatchTrace
+
+    model, optimizer, co2 = _engine("same", co2_local_steps=4, **knobs)
+    reads = []
+    for step in range(14):
+        optimizer.zero_grad()
+        _loss(model, step).backward()
+        optimizer.step()
+        trace = DispatchTrace()
+        trace(co2.step)
+        reads += trace.reads
+        if step == 9:
+            co2.pop_metrics()  # a logging step may wait, once
+    assert reads == []
+    co2.finalize()
+    assert torch.isfinite(model.hidden.weight).all()

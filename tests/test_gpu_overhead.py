@@ -53,8 +53,8 @@ def test_each_run_is_compared_with_plain_of_its_own_repeat():
 def test_smoke_run_on_the_cpu_reports_every_run(capsys):
     argv = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--batch", "1", "--tau", "2"]
     lines = gpu_overhead.main([*argv, "--rounds", "2", "--repeats", "1"])
-    runs, codecs = lines[: len(gpu_overhead.RUNS)], lines[len(gpu_overhead.RUNS) :]
-    assert [x["run"] for x in runs] == list(gpu_overhead.RUNS)
+    runs, codecs = lines[: len(gpu_overhead.DEFAULT_RUNS)], lines[len(gpu_overhead.DEFAULT_RUNS) :]
+    assert [x["run"] for x in runs] == gpu_overhead.DEFAULT_RUNS
     assert all(x["total_s"] > 0 and x["steps"] == 4 for x in runs)
     assert [x["round_ends"] for x in runs] == [0, 2, 2, 2, 2]  # whole rounds, fragments or not
     assert runs[0]["outer_state_bytes"] == 0 and runs[1]["outer_state_bytes"] > 0
@@ -76,3 +76,34 @@ def test_cuda_run_times_whole_rounds_with_gpu_and_host_state(capsys):
     assert [x["round_ends"] for x in lines] == [0, 2, 2, 2, 2] and all(x["total_s"] > 0 for x in lines)
     assert lines[4]["outer_state_bytes"] > 0  # co2_cpu_state: the state in host memory, trained on the GPU
     assert "# co2_cpu_state: " in capsys.readouterr().out
+
+
+@pytest.mark.timeout(10)
+def test_the_gpu_report_table_gives_each_row_its_target():
+    from scripts import gpu_report
+
+    engine = {
+        "plain": {"time_per_step_s": 0.058, "vs_plain": 1.0, "boundary_steps": 0.0},
+        "co2": {"time_per_step_s": 0.059, "vs_plain": 1.02, "boundary_steps": 0.24},
+        "co2_cpu_state": {"time_per_step_s": 0.062, "vs_plain": 1.07, "boundary_steps": 0.84},
+        "co2_f6": {"time_per_step_s": 0.06, "vs_plain": 1.01, "boundary_steps": 0.12},
+    }
+    report = gpu_report.table(engine, {"co2_trainer_compiled": 1.029}, "NVIDIA H200").splitlines()
+    assert report[0] == "plain training: 0.0580 s per step on NVIDIA H200"
+    assert "| defaults (F = tau streaming, lookahead) | 1.020x | 0.24 | <= 1.03x: met |" in report
+    assert "| host-memory state (co2_state_device=cpu), defaults | 1.070x | 0.84 | <= 1.05x: missed |" in report
+    assert "| F = 6 | 1.010x | 0.12 |  |" in report  # the sweep has no target of its own
+    assert report[-1] == "| CO2Trainer vs Trainer, --torch_compile | 1.029x | | <= 1.03x: met |"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_trainer_pair_runs_on_the_cpu():
+    import argparse
+
+    from scripts import gpu_report
+
+    args = argparse.Namespace(device="cpu", model="tiny", seq=16, batch=2, tau=2, steps=5)
+    for co2 in (False, True):
+        line = gpu_report.run_trainer(co2=co2, compiled=False, args=args)
+        assert line["run"] == ("co2_trainer" if co2 else "plain_trainer") and line["time_per_step_s"] > 0

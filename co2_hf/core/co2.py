@@ -65,6 +65,10 @@ class CO2:
             default group (collective: every rank constructs CO2 at the same point), or runs a
             single worker when torch.distributed is not initialised.
         communicator: overrides ``process_group`` with an injected communicator (tests).
+        chunk_numel: the most elements one pass over the flat state handles at once (its scratch).
+        stage_state: bring the outer state to the compute device a fragment at a time
+            (``residency.py``); None: for host-memory state of a GPU model with streaming fragments.
+            True on a CPU model stages between two CPU tensors (what the tests check bit for bit).
     """
 
     def __init__(

@@ -539,7 +539,7 @@ class Fragment:
         """On the device: where this worker's outer gradient is not finite, it sends zeros (weight 0
         in the header) and restarts from the anchor (offset cleared, buffers restored at the reset).
         The tally tells the host, which warns and clears the inner optimizer (`CO2`)."""
-        self._wire.payload.masked_fill_(~finite, 0.0)
+        update.zero_unless_(self._wire.payload, finite)
         self.start.keep_where_(finite)
         tally.record_send_(self._counts, finite=finite, round_index=self.progress.round)
         self._decided(finite=finite)

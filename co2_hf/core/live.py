@@ -98,16 +98,17 @@ class LiveTensors:
                 _scatter(piece, part, len(piece.live))
 
     def shift(self, move: Callable[[Chunk], Tensor], *, buffers: Tensor) -> None:
-        """Chunk by chunk, add ``move(chunk)`` to the live parameters and set the buffers to its
-        buffer part where ``buffers`` (0-d bool, on the device) is True (``move`` holds parameter
+        """Chunk by chunk, add ``move(chunk)`` to the live parameters, in place, and set the buffers to
+        its buffer part where ``buffers`` (0-d bool, on the device) is True (``move`` holds parameter
         moves first, then absolute buffer values)."""
         for chunk, every_shard in self._chunks():
             for part, piece in zip(self._worker_parts(move(chunk)), every_shard):
-                x = self.read(piece)
-                n = piece.param_stop - piece.start
-                x[:n].add_(part[:n])
-                torch.where(buffers, part[n:], x[n:], out=x[n:])
-                _scatter(piece, x, len(piece.live))
+                count = piece.param_pieces
+                if count:
+                    lengths = piece.lengths[:count]
+                    torch._foreach_add_(piece.live[:count], list(part[: sum(lengths)].split(lengths)))
+                if count < len(piece.live):
+                    self._write_buffers_where(piece, part, buffers)
 
     def gather_flat(self, shard: Tensor) -> Tensor:
         """The whole flat vector of which ``shard`` is this process's slice (all-gathered, k > 1)."""

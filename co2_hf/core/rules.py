@@ -94,7 +94,7 @@ class _OffsetStart(AnchorStart):
         return scratch
 
     def keep_where_(self, finite: Tensor) -> None:
-        self.offset.masked_fill_(~finite, 0.0)
+        update.zero_unless_(self.offset, finite)
 
     def clear_where_(self, applied: Tensor) -> None:
         self.offset.mul_(1.0 - applied)  # the offset is finite: o * 1 = o, o * 0 = 0

@@ -94,6 +94,14 @@ def move_anchor_where_(anchor: Tensor, v: Tensor, mean: Tensor, split: int, *, n
         torch.where(take, mean[split:], anchor[split:], out=anchor[split:])
 
 
+def zero_unless_(x: Tensor, keep: Tensor) -> Tensor:
+    """In place ``x <- x if keep else 0``, decided on the device (``keep``: a 0-d bool tensor), NaN and
+    Inf included. ``keep`` must imply that ``x`` is finite (the engine's finite check): times 1 it is
+    then left exactly as it was, and times 0 its NaN and Inf, the only values left, become 0. Two
+    vectorized passes: ``masked_fill_`` and ``where`` with a 0-d condition run ~8x slower on the CPU."""
+    return x.mul_(keep).nan_to_num_(0.0, 0.0, 0.0)
+
+
 def lookahead_offset_(out: Tensor, d: Tensor, m: Tensor, beta: float, nesterov: bool, lr: float) -> Tensor:
     """``out <- lr * v'``: the outer step the next boundary would take if the average in flight were
     this worker's own ``d`` (``m' = beta*m + d``, ``v' = m'``, Nesterov ``beta*m' + d``), ``m`` left as
