@@ -47,6 +47,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -153,10 +154,12 @@ def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from co2_hf.core.ft import RecoveryTransport, job_interface
+    from co2_hf.core.ft import RecoveryTransport, job_interface, job_secret
 
     host, timeout = job_interface(os.environ["TORCHFT_LIGHTHOUSE"]), timedelta(seconds=a.timeout_s)
     store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    # CO2's transport (torchft's own unpickles objects and serves anyone)
+    transport = RecoveryTransport(host, timeout, secret=job_secret())
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=None,
@@ -171,9 +174,10 @@ def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
         store_port=store.port,
         replica_id=f"diloco_{rank}",
         hostname=host,
-        checkpoint_transport=RecoveryTransport(host, timeout),  # torchft's own unpickles objects
+        checkpoint_transport=transport,
         init_sync=True,
     )
+    transport.follow(manager)
     position = {"local": 0}  # the step within the round: with torchft's step, the data position
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
         manager.register_state_dict_fn(name, obj.load_state_dict, obj.state_dict)
@@ -231,6 +235,8 @@ class Job:
         self.env.update(
             TORCHFT_LIGHTHOUSE=self.lighthouse.address(), NUM_REPLICA_GROUPS=str(a.replicas), OMP_NUM_THREADS="1"
         )
+        self.env.pop("CO2_FT_SECRET_FILE", None)  # a new secret for each job (co2_hf/core/recovery.py)
+        self.env["CO2_FT_SECRET"] = secrets.token_hex(32)
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}  # pid -> its start, as the supervisor saw it
         self.spares: dict[int, subprocess.Popen] = {}  # with --spares: a warm process per replica

@@ -9,24 +9,21 @@ a live peer's whole state first. The outer gradient is summed over the round's p
 wire's header counts the finite ones, so the mean is over whoever sent. A coded wire (int8, int4,
 sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); its residuals
 follow the group's changes (``quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
-fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied.
+fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied. A
+peer's state travels only between the job's own replicas, signed with the job's secret
+(``recovery.py``; docs/reliability.md, "torchft: who can reach what").
 
 Needs the ``ft`` extra (``pip install 'co2_hf[ft]'``, torchft); nothing else imports this module.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
 import socket
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -39,9 +36,10 @@ from .collectives import Collectives
 from .comm import BackgroundWork, Communicator, Pending
 
 try:
-    from torchft.checkpointing.transport import CheckpointTransport
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroup, ProcessGroupGloo
+
+    from .recovery import RecoveryTransport, job_secret
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("co2_hf.core.ft needs torchft: pip install 'co2_hf[ft]'") from error
 
@@ -49,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 # torchft's own environment variables (torchft/manager.py, torchft/torchx.py)
 LIGHTHOUSE_ENV, REPLICA_ENV, NUM_REPLICAS_ENV = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
-DIGEST_HEADER = "X-CO2-SHA256"
 
 
 class TorchFTCommunicator(Communicator):
@@ -98,7 +95,8 @@ class TorchFTCommunicator(Communicator):
             logger.warning(
                 "CO2: %d replica groups in the torchft quorum, more than %s=%d: a killed replica group's "
                 "replacement joined before the Lighthouse dropped it, a group was started twice (two "
-                "processes with one %s?), or %s is too small",
+                "processes with one %s?), %s is too small, or a process outside the job joined the "
+                "Lighthouse (it gets no state and gives none: docs/reliability.md)",
                 participants,
                 NUM_REPLICAS_ENV,
                 self.num_workers,
@@ -226,82 +224,6 @@ class QuorumCollectives:
         self.pg.allgather([rows], [input], AllgatherOptions()).wait(self.timeout)
 
 
-class RecoveryTransport(CheckpointTransport):
-    """torchft's checkpoint transport for CO2's state, from a live peer to a replica that is behind.
-
-    torchft's own HTTPTransport serves live tensor references on every interface and unpickles
-    whatever it receives, objects included; this one snapshots the state into bytes when torchft asks it to
-    send (so training may go on), serves them on ``host`` only, at ``/co2/<step>`` only, with
-    their SHA-256, and loads what it receives with ``weights_only=True`` (tensors, numbers,
-    strings and containers: nothing that runs code)."""
-
-    def __init__(self, host: str, timeout: timedelta) -> None:
-        self._timeout = timeout
-        self._staged: tuple[int, bytes, str] | None = None
-        self._ready = threading.Condition()
-        transport = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                staged = transport._wait_for(self.path)
-                if staged is None:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(staged[1])))
-                self.send_header(DIGEST_HEADER, staged[2])
-                self.end_headers()
-                self.wfile.write(staged[1])
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((host, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="co2_recovery", daemon=True).start()
-        self._address = f"http://{host}:{self._server.server_address[1]}/co2"
-
-    def metadata(self) -> str:
-        return self._address
-
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer)
-        data = buffer.getvalue()
-        with self._ready:
-            self._staged = (step, data, hashlib.sha256(data).hexdigest())
-            self._ready.notify_all()
-
-    def disallow_checkpoint(self) -> None:
-        with self._ready:
-            self._staged = None
-
-    def _wait_for(self, path: str) -> tuple[int, bytes, str] | None:
-        """The staged snapshot ``path`` asks for (``/co2/<step>``), once staged; None: none in time."""
-        prefix = "/co2/"
-        if not path.startswith(prefix) or not path[len(prefix) :].isdigit():
-            return None
-        step = int(path[len(prefix) :])
-        with self._ready:
-            self._ready.wait_for(
-                lambda: self._staged is not None and self._staged[0] == step, self._timeout.total_seconds()
-            )
-            staged = self._staged
-        return staged if staged is not None and staged[0] == step else None
-
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a peer, never a proxy
-        with opener.open(f"{metadata}/{step}", timeout=timeout.total_seconds()) as response:
-            data, digest = response.read(), response.headers.get(DIGEST_HEADER)
-        if digest != hashlib.sha256(data).hexdigest():
-            raise RuntimeError(f"CO2: the state received from {metadata} does not match its SHA-256")
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-
-    def shutdown(self, wait: bool = True) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 def check_config(config: CO2Config) -> None:
     """Refuse the settings this version does not run on torchft, naming the flag (before anything starts)."""
     if config.co2_worker_size != 1:
@@ -323,10 +245,12 @@ class TorchFT:
     """One replica group of a torchft job running CO2: ``TorchFT(config).start(model, optimizer)``.
 
     The Lighthouse address, this replica group's id and the job's number of replica groups come
-    from torchft's environment variables unless given. ``timeout_s`` bounds a collective, a
-    commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
-    replica waits for a quorum (set it above a round's compute); ``start_timeout_s`` how long the
-    replicas of a job that is starting wait for each other before training without the late ones."""
+    from torchft's environment variables unless given, the job's secret from ``CO2_FT_SECRET`` or
+    ``CO2_FT_SECRET_FILE`` (`recovery.job_secret`; without it a replica refuses to start).
+    ``timeout_s`` bounds a collective, a commit and a recovery (a frozen peer is dropped after
+    it); ``quorum_timeout_s`` how long a replica waits for a quorum (set it above a round's
+    compute); ``start_timeout_s`` how long the replicas of a job that is starting wait for each
+    other before training without the late ones."""
 
     def __init__(
         self,
@@ -335,6 +259,7 @@ class TorchFT:
         lighthouse: str | None = None,
         replica_id: int | None = None,
         num_replicas: int | None = None,
+        secret: bytes | None = None,
         timeout_s: float = 30.0,
         quorum_timeout_s: float = 300.0,
         start_timeout_s: float = 60.0,
@@ -342,8 +267,9 @@ class TorchFT:
         check_config(config)
         self.config = config
         self.lighthouse, self.replica_id, self.num_replicas = job_from_env(lighthouse, replica_id, num_replicas)
+        secret = secret if secret is not None else job_secret()
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
-        transport = RecoveryTransport(host, timeout)
+        transport = RecoveryTransport(host, timeout, secret=secret)
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -364,6 +290,7 @@ class TorchFT:
             checkpoint_transport=transport,
             init_sync=True,
         )
+        transport.follow(self.manager)
         self.comm = TorchFTCommunicator(
             self.manager,
             transport,
