@@ -152,31 +152,31 @@ def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
     import torch
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
-    from co2_hf.core.ft import RecoveryTransport, job_interface, job_secret
+    from co2_hf.core.ft import JobGloo, RecoveryTransport, job_interface, job_secret, manager_server_on, store_on
 
     host, timeout = job_interface(os.environ["TORCHFT_LIGHTHOUSE"]), timedelta(seconds=a.timeout_s)
-    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    # CO2's transport (torchft's own unpickles objects and serves anyone)
+    store = store_on(host)
+    # CO2's transport and listeners (torchft's own transport unpickles objects and serves anyone)
     transport = RecoveryTransport(host, timeout, secret=job_secret())
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        use_async_quorum=False,  # DiLoCo requires it
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=120),
-        rank=0,
-        world_size=1,
-        store_addr=host,
-        store_port=store.port,
-        replica_id=f"diloco_{rank}",
-        hostname=host,
-        checkpoint_transport=transport,
-        init_sync=True,
-    )
+    with manager_server_on(host):
+        manager = Manager(
+            pg=JobGloo(host, timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,  # DiLoCo requires it
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=120),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=store.port,
+            replica_id=f"diloco_{rank}",
+            hostname=host,
+            checkpoint_transport=transport,
+            init_sync=True,
+        )
     transport.follow(manager)
     position = {"local": 0}  # the step within the round: with torchft's step, the data position
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):

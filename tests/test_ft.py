@@ -10,10 +10,12 @@ tests/test_quorum.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -280,6 +282,72 @@ def test_a_replica_group_of_several_processes_is_refused(torchft_job, tmp_path, 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE=2: one process per replica group"):
         CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft")
+
+
+ROGUE = WORKER.with_name("ft_rogue.py")
+
+
+def _wait_until(condition, timeout_s: float, job: Job) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs.values()):
+            job.kill()
+            raise AssertionError(f"not reached within {timeout_s} s: {job.logs()}")
+        time.sleep(0.1)
+
+
+def _listening(pid: int) -> set[str]:
+    """The addresses process ``pid`` accepts TCP connections on (Linux's /proc: its sockets' inodes
+    in its TCP tables, state 0A, addresses in hex, each 4 bytes little-endian)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    addresses = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:
+                raw = bytes.fromhex(fields[1].rsplit(":", 1)[0])
+                addresses.add(socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
+    return addresses
+
+
+def test_a_rogue_joiner_neither_poisons_the_job_nor_gets_its_state(lighthouse, tmp_path):
+    """The issue's attack on a running job of 2 replicas: a process without the job's secret joins
+    through the Lighthouse (tests/ft_rogue.py). Behind the others, it is named a recovery destination
+    and asks a live replica for the state: 403, none of it. Claiming step 100000, it is named both
+    replicas' recovery source and offers weights of 40.81: both refuse them unloaded (not signed
+    with the job's secret), drop those rounds, and train on once it has left, their anchors far from
+    the poison and equal at every step. Every listener of a replica is on the job's address."""
+    job = Job(lighthouse, tmp_path, 2, steps=100_000, tau=4, sleep=0.05)  # killed at the end
+    for replica in range(2):
+        job.start(replica)
+    try:
+        _wait_until(lambda: min(len(job.records(r)) for r in range(2)) >= 5, 90, job)
+        listening = {r: _listening(job.procs[r].pid) for r in range(2)}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CO2_FT_SECRET")}
+        env.update(TORCHFT_LIGHTHOUSE=lighthouse, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        for claim, seconds in ((0, 60), (100_000, 4)):  # behind the others, then ahead of them
+            rogue = [sys.executable, str(ROGUE), f"--out={tmp_path / 'rogue.jsonl'}", f"--claim_step={claim}"]
+            done = subprocess.run(
+                [*rogue, f"--seconds={seconds}"], env=env, capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        left = time.time()
+        after = lambda r: [x for x in job.records(r) if x["time"] > left + 2 and x["participants"] == 2]  # noqa: E731
+        _wait_until(lambda: min(len(after(r)) for r in range(2)) >= 5, 90, job)
+    finally:
+        job.kill()
+    assert all(addresses == {"127.0.0.1"} for addresses in listening.values()), listening
+    asked = [json.loads(line) for line in (tmp_path / "rogue.jsonl").read_text().splitlines()]
+    assert [a["status"] for a in asked] == [403] and asked[0]["bytes"] < 1000, asked
+    assert "refused a recovery request from 127.0.0.1" in job.log(0) + job.log(1)
+    for replica in range(2):
+        records = job.records(replica)
+        assert "is not signed with this job's secret" in job.log(replica), job.logs()
+        assert max(r["committed"] for r in records) < 100_000 and max(r["anchor_max"] for r in records) < 40
+    _same_anchor_at_every_shared_step(job)
 
 
 @pytest.mark.parametrize("quorum", ["errored", "group_not_set_up"])

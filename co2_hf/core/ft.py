@@ -10,19 +10,20 @@ wire's header counts the finite ones, so the mean is over whoever sent. A coded 
 sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); its residuals
 follow the group's changes (``quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
 fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied. A
-peer's state travels only between the job's own replicas, signed with the job's secret
-(``recovery.py``; docs/reliability.md, "torchft: who can reach what").
+peer's state travels only between the job's own replicas, signed with the job's secret, and every
+listener is on the job's address (``recovery.py``; docs/reliability.md, "torchft: who can reach what").
 
 Needs the ``ft`` extra (``pip install 'co2_hf[ft]'``, torchft); nothing else imports this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,7 @@ from .collectives import Collectives
 from .comm import BackgroundWork, Communicator, Pending
 
 try:
+    import torchft.manager
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroup, ProcessGroupGloo
 
@@ -232,9 +234,66 @@ def check_config(config: CO2Config) -> None:
         raise ValueError(f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} with torchft: allowed is 0")
 
 
+def store_on(host: str) -> torch.distributed.TCPStore:
+    """A replica group's TCPStore listening on ``host`` only: given a port, TCPStore listens on every
+    interface; given a socket already bound (``master_listen_fd``), on that socket's."""
+    listener = socket.create_server((host, 0))
+    port = listener.getsockname()[1]
+    return torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
+
+
+@contextlib.contextmanager
+def manager_server_on(host: str) -> Iterator[None]:
+    """While torchft's Manager is built, its ManagerServer listens on ``host`` only. torchft 0.2.0
+    binds it to ``[::]`` (every interface) with no way to say otherwise, so its module's
+    ``ManagerServer`` is swapped, for the time of the constructor, for one given ``host``'s address."""
+    original = torchft.manager.ManagerServer
+
+    def bound(*, bind: str, **kwargs: Any) -> Any:
+        return original(bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    torchft.manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
+
+
+class JobGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, listening on the job's address. torchft 0.2.0 gives gloo
+    its default device, which listens where the machine's host name resolves: with a loopback job,
+    perhaps an interface the whole network reaches."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self.host = host
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        """torchft 0.2.0's ``ProcessGroupGloo._create_pg``, its device on ``host``."""
+        from torch.distributed import ProcessGroup as Group
+        from torch.distributed import ProcessGroupGloo as Gloo
+
+        options = Gloo._Options()
+        options._devices = [Gloo.create_device(hostname=self.host)]
+        options._timeout, options._threads = self._timeout, 2  # torch's two threads for one device
+        if self._global_ranks:
+            options.global_ranks_in_group = self._global_ranks
+        if self._group_rank and self._group_world_size:
+            options.group_name = f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+        backend = Gloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        pg = Group(store, rank, world_size)
+        pg._set_default_backend(Group.BackendType.GLOO)
+        for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():
+            pg._register_backend(torch.device(device), Group.BackendType.GLOO, backend)
+        return pg
+
+
 def job_interface(lighthouse: str) -> str:
     """The address of this host's interface that reaches the Lighthouse: the one the job's
-    replicas share, where the store and the recovery transport listen."""
+    replicas share, where every listener of a replica is."""
     host = lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
@@ -246,11 +305,12 @@ class TorchFT:
 
     The Lighthouse address, this replica group's id and the job's number of replica groups come
     from torchft's environment variables unless given, the job's secret from ``CO2_FT_SECRET`` or
-    ``CO2_FT_SECRET_FILE`` (`recovery.job_secret`; without it a replica refuses to start).
-    ``timeout_s`` bounds a collective, a commit and a recovery (a frozen peer is dropped after
-    it); ``quorum_timeout_s`` how long a replica waits for a quorum (set it above a round's
-    compute); ``start_timeout_s`` how long the replicas of a job that is starting wait for each
-    other before training without the late ones."""
+    ``CO2_FT_SECRET_FILE`` (`recovery.job_secret`; without it a replica refuses to start). Every
+    listener of the replica (the recovery transport, the store, torchft's ManagerServer, gloo) is on
+    the job's address, the interface that reaches the Lighthouse. ``timeout_s`` bounds a collective,
+    a commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
+    replica waits for a quorum (set it above a round's compute); ``start_timeout_s`` how long the
+    replicas of a job that is starting wait for each other before training without the late ones."""
 
     def __init__(
         self,
@@ -270,26 +330,27 @@ class TorchFT:
         secret = secret if secret is not None else job_secret()
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
         transport = RecoveryTransport(host, timeout, secret=secret)
-        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=1,
-            use_async_quorum=False,  # a replica that is behind loads its state before the launch
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr=host,
-            store_port=self._store.port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=f"co2_{self.replica_id}",
-            hostname=host,
-            checkpoint_transport=transport,
-            init_sync=True,
-        )
+        self._store = store_on(host)
+        pg = JobGloo(host, timeout)
+        with manager_server_on(host):
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=1,
+                use_async_quorum=False,  # a replica that is behind loads its state before the launch
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self._store.port,
+                lighthouse_addr=self.lighthouse,
+                replica_id=f"co2_{self.replica_id}",
+                hostname=host,
+                checkpoint_transport=transport,
+                init_sync=True,
+            )
         transport.follow(self.manager)
         self.comm = TorchFTCommunicator(
             self.manager,
