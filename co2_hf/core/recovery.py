@@ -207,12 +207,17 @@ class RecoveryTransport(CheckpointTransport):
     def metadata(self) -> str:
         return self._address
 
+    def _place(self) -> Position:
+        if self._position is None or self._own_state is None:
+            raise RuntimeError("CO2 internal error: RecoveryTransport.follow(manager) was not called")
+        return self._position()
+
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         """Snapshot ``state_dict`` into bytes (training may go on) for the replicas torchft named."""
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         data = buffer.getvalue()
-        quorum, rank = self._position()
+        quorum, rank = self._place()
         state_step = int(state_dict.get("torchft", {}).get("step", step))
         digest = hashlib.sha256(data).hexdigest()
         with self._ready:
@@ -226,7 +231,7 @@ class RecoveryTransport(CheckpointTransport):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         """The state torchft's quorum planned for this replica: from ``src_rank`` at ``step`` (the
         quorum's max step), signed with the job's secret, no larger than `size_limit`; else refused."""
-        quorum, rank = self._position()
+        quorum, rank = self._place()
         limit = size_limit(self._own_state())
         planned = (step, quorum, src_rank, rank)
         if not metadata.startswith("http://"):
