@@ -151,33 +151,16 @@ def _run_co2(a, rank, task, model, optimizer, scheduler, record):
 def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
     import torch
     from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
 
-    from co2_hf.core.ft import JobGloo, RecoveryTransport, job_interface, job_secret, manager_server_on, store_on
+    from co2_hf.core.ft import RecoveryTransport, build_manager, job_interface, job_secret
 
     host, timeout = job_interface(os.environ["TORCHFT_LIGHTHOUSE"]), timedelta(seconds=a.timeout_s)
-    store = store_on(host)
-    # CO2's transport and listeners (torchft's own transport unpickles objects and serves anyone)
+    # CO2's transport and listeners (torchft's own transport unpickles objects and serves anyone);
+    # no async quorum: DiLoCo requires it
     transport = RecoveryTransport(host, timeout, secret=job_secret())
-    with manager_server_on(host):
-        manager = Manager(
-            pg=JobGloo(host, timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=1,
-            use_async_quorum=False,  # DiLoCo requires it
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=120),
-            rank=0,
-            world_size=1,
-            store_addr=host,
-            store_port=store.port,
-            replica_id=f"diloco_{rank}",
-            hostname=host,
-            checkpoint_transport=transport,
-            init_sync=True,
-        )
-    transport.follow(manager)
+    manager, _, store = build_manager(  # store: referenced until the run ends
+        host, transport, replica_id=f"diloco_{rank}", timeout=timeout, quorum_timeout=timedelta(seconds=120)
+    )
     position = {"local": 0}  # the step within the round: with torchft's step, the data position
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
         manager.register_state_dict_fn(name, obj.load_state_dict, obj.state_dict)

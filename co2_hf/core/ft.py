@@ -234,6 +234,43 @@ def check_config(config: CO2Config) -> None:
         raise ValueError(f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} with torchft: allowed is 0")
 
 
+def build_manager(
+    host: str,
+    transport: RecoveryTransport,
+    *,
+    replica_id: str,
+    lighthouse: str | None = None,
+    timeout: timedelta,
+    quorum_timeout: timedelta,
+) -> tuple[Manager, JobGloo, torch.distributed.TCPStore]:
+    """torchft's Manager for a replica group of one process as CO2 runs it: every listener on
+    ``host``, a replica that is behind loaded before its quorum returns (no async quorum), a peer's
+    state through ``transport`` (which follows the Manager). Returns it, its gloo group and its store
+    (keep a reference: the store lives as long as it)."""
+    store, pg = store_on(host), JobGloo(host, timeout)
+    with manager_server_on(host):
+        manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+            hostname=host,
+            checkpoint_transport=transport,
+            init_sync=True,
+        )
+    transport.follow(manager)
+    return manager, pg, store
+
+
 def store_on(host: str) -> torch.distributed.TCPStore:
     """A replica group's TCPStore listening on ``host`` only: given a port, TCPStore listens on every
     interface; given a socket already bound (``master_listen_fd``), on that socket's."""
@@ -330,28 +367,14 @@ class TorchFT:
         secret = secret if secret is not None else job_secret()
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
         transport = RecoveryTransport(host, timeout, secret=secret)
-        self._store = store_on(host)
-        pg = JobGloo(host, timeout)
-        with manager_server_on(host):
-            self.manager = Manager(
-                pg=pg,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=1,
-                use_async_quorum=False,  # a replica that is behind loads its state before the launch
-                timeout=timeout,
-                quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                rank=0,
-                world_size=1,
-                store_addr=host,
-                store_port=self._store.port,
-                lighthouse_addr=self.lighthouse,
-                replica_id=f"co2_{self.replica_id}",
-                hostname=host,
-                checkpoint_transport=transport,
-                init_sync=True,
-            )
-        transport.follow(self.manager)
+        self.manager, pg, self._store = build_manager(
+            host,
+            transport,
+            replica_id=f"co2_{self.replica_id}",
+            lighthouse=self.lighthouse,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+        )
         self.comm = TorchFTCommunicator(
             self.manager,
             transport,
