@@ -47,6 +47,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -150,29 +151,15 @@ def _run_co2(a, rank, task, model, optimizer, scheduler, record):
 def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
     import torch
     from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
-    from co2_hf.core.ft import RecoveryTransport, job_interface
+    from co2_hf.core.ft import RecoveryTransport, build_manager, job_interface, job_secret
 
     host, timeout = job_interface(os.environ["TORCHFT_LIGHTHOUSE"]), timedelta(seconds=a.timeout_s)
-    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        use_async_quorum=False,  # DiLoCo requires it
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=120),
-        rank=0,
-        world_size=1,
-        store_addr=host,
-        store_port=store.port,
-        replica_id=f"diloco_{rank}",
-        hostname=host,
-        checkpoint_transport=RecoveryTransport(host, timeout),  # torchft's own unpickles objects
-        init_sync=True,
+    # CO2's transport and listeners (torchft's own transport unpickles objects and serves anyone);
+    # no async quorum: DiLoCo requires it
+    transport = RecoveryTransport(host, timeout, secret=job_secret())
+    manager, _, store = build_manager(  # store: referenced until the run ends
+        host, transport, replica_id=f"diloco_{rank}", timeout=timeout, quorum_timeout=timedelta(seconds=120)
     )
     position = {"local": 0}  # the step within the round: with torchft's step, the data position
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
@@ -231,6 +218,8 @@ class Job:
         self.env.update(
             TORCHFT_LIGHTHOUSE=self.lighthouse.address(), NUM_REPLICA_GROUPS=str(a.replicas), OMP_NUM_THREADS="1"
         )
+        self.env.pop("CO2_FT_SECRET_FILE", None)  # a new secret for each job (co2_hf/core/recovery.py)
+        self.env["CO2_FT_SECRET"] = secrets.token_hex(32)
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}  # pid -> its start, as the supervisor saw it
         self.spares: dict[int, subprocess.Popen] = {}  # with --spares: a warm process per replica

@@ -3,9 +3,13 @@ restarted when it dies (the supervisor), until every one has exited on its own.
 
     python scripts/ft_launch.py --replicas 3 [--max_restarts 10] -- python tests/ft_workers.py --out r.jsonl
 
-Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS);
-``{replica}`` in the command becomes its id. Proxy variables are removed (torchft's clients talk to
-127.0.0.1). ``--join_timeout_ms`` must cover a round's compute (docs/algorithm.md section 19). Kill
+Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)
+and the job's secret; ``{replica}`` in the command becomes its id. The Lighthouse listens on
+127.0.0.1, so every replica's listeners do too: nothing outside this machine reaches the job. The
+secret is yours if CO2_FT_SECRET or CO2_FT_SECRET_FILE is set; else a new one, in a file only you
+can read, in a private folder removed at the end (CO2_FT_SECRET_FILE names it to the replicas).
+Proxy variables are removed (torchft's clients talk to 127.0.0.1). ``--join_timeout_ms`` must cover
+a round's compute (docs/algorithm.md section 19). Kill
 a replica (``kill -9 PID``; the pids are printed) to watch its replacement rejoin. Exit status: 0 if
 every replica's last process exited 0. If this launcher dies, the Lighthouse goes with it, and the
 replicas exit at their next quorum.
@@ -14,10 +18,19 @@ replicas exit at their next quorum.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+
+from co2_hf.core.recovery import SECRET_ENV, SECRET_FILE_ENV
+
+HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,17 +48,43 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the replica's command after --")
     if args.replicas < 1:
         parser.error(f"--replicas={args.replicas}: allowed is 1 or more")
+    with job_secret() as secret:
+        return run(args, command, secret)
+
+
+@contextlib.contextmanager
+def job_secret() -> Iterator[dict[str, str]]:
+    """The secret's variable for the replicas: the user's, or a new secret's file (mode 0600, in a
+    folder of mode 0700 that only this launcher writes), removed when the job ends."""
+    given = {name: os.environ[name] for name in (SECRET_ENV, SECRET_FILE_ENV) if os.environ.get(name)}
+    if given:
+        yield given
+        return
+    folder = tempfile.mkdtemp(prefix="co2_ft_")  # mode 0700
+    try:
+        path = os.path.join(folder, "secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        print(f"ft_launch: the job's secret is in {path} ({SECRET_FILE_ENV})", flush=True)
+        yield {SECRET_FILE_ENV: path}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, command: list[str], secret: dict[str, str]) -> int:
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="127.0.0.1:0",
+        bind=f"{HOST}:0",
         min_replicas=1,
         join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=10,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
+    port = lighthouse.address().rsplit(":", 1)[1]  # address() names the host, which may not be loopback
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env.update(TORCHFT_LIGHTHOUSE=lighthouse.address(), NUM_REPLICA_GROUPS=str(args.replicas))
+    env.update(secret, TORCHFT_LIGHTHOUSE=f"http://{HOST}:{port}", NUM_REPLICA_GROUPS=str(args.replicas))
 
     def start(replica: int) -> subprocess.Popen:
         argv = [part.replace("{replica}", str(replica)) for part in command]

@@ -6,8 +6,8 @@
 torchft's environment (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) says which replica
 group this is. One JSON line per boundary is appended to ``--out`` (a replacement appends to its
 predecessor's file): the process id, the inner step, torchft's committed step, the quorum's size,
-the rounds dropped so far and a digest of the anchor. ``--die MODE:K`` kills the first process of
-the replica (its file does not exist yet) with SIGKILL at its K-th quorum: ``before`` it,
+the rounds dropped so far, a digest of the anchor and its largest magnitude. ``--die MODE:K`` kills
+the first process of the replica (its file does not exist yet) with SIGKILL at its K-th quorum: ``before`` it,
 ``during`` an all-reduce (after the quorum, where the others launch theirs and this one never
 sends), ``after`` its commit.
 """
@@ -113,6 +113,7 @@ def main() -> None:
                 participants=ft.manager.num_participants(),
                 dropped=ft.comm.dropped_rounds,
                 anchor=anchor_digest(co2),
+                anchor_max=max(t.abs().max().item() for t in co2.anchor_state().values()),
                 time=time.time(),
             )
             with open(args.out, "a") as f:

@@ -10,10 +10,12 @@ tests/test_quorum.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from co2_hf import CO2Config  # noqa: E402
 pytestmark = [pytest.mark.torchft, pytest.mark.timeout(240)]
 WORKER = Path(__file__).with_name("ft_workers.py")
 ROOT = WORKER.parents[1]
+SECRET = "the tests' job secret, not a real one"  # CO2_FT_SECRET of every replica the tests start
 
 
 def _lighthouse(monkeypatch, join_timeout_ms: int):
@@ -70,7 +73,8 @@ class Job:
 
     def start(self, replica: int, **extra) -> subprocess.Popen:
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "CO2_FT_SECRET_FILE"},
+            "CO2_FT_SECRET": SECRET,
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             "REPLICA_GROUP_ID": str(replica),
             "NUM_REPLICA_GROUPS": str(self.replicas),
@@ -241,10 +245,13 @@ def test_a_missing_torchft_variable_is_named(monkeypatch):
 
 @pytest.fixture
 def torchft_job(monkeypatch):
-    """torchft's variables for replica group 0 of 2 (no Lighthouse: nothing here reaches it)."""
+    """torchft's variables and the job's secret for replica group 0 of 2 (no Lighthouse: nothing
+    here reaches it)."""
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("CO2_FT_SECRET", SECRET)
+    monkeypatch.delenv("CO2_FT_SECRET_FILE", raising=False)
 
 
 @pytest.mark.parametrize(
@@ -277,93 +284,70 @@ def test_a_replica_group_of_several_processes_is_refused(torchft_job, tmp_path, 
         CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft")
 
 
-class _Exploit:
-    def __reduce__(self):
-        return (os.system, ("echo exploited",))
+ROGUE = WORKER.with_name("ft_rogue.py")
 
 
-def test_the_recovery_transport_checks_the_digest_and_loads_no_objects():
-    import io
-    import pickle
-    import urllib.error
-    from datetime import timedelta
+def _wait_until(condition, timeout_s: float, job: Job) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs.values()):
+            job.kill()
+            raise AssertionError(f"not reached within {timeout_s} s: {job.logs()}")
+        time.sleep(0.1)
 
-    import torch
 
-    from co2_hf.core.ft import RecoveryTransport
+def _listening(pid: int) -> set[str]:
+    """The addresses process ``pid`` accepts TCP connections on (Linux's /proc: its sockets' inodes
+    in its TCP tables, state 0A, addresses in hex, each 4 bytes little-endian)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    addresses = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:
+                raw = bytes.fromhex(fields[1].rsplit(":", 1)[0])
+                addresses.add(socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
+    return addresses
 
-    timeout = timedelta(seconds=5)
-    # the peer waits up to 1 s for a snapshot of the step asked for, then answers 404
-    peer, replacement = RecoveryTransport("127.0.0.1", timedelta(seconds=1)), RecoveryTransport("127.0.0.1", timeout)
+
+def test_a_rogue_joiner_neither_poisons_the_job_nor_gets_its_state(lighthouse, tmp_path):
+    """The issue's attack on a running job of 2 replicas: a process without the job's secret joins
+    through the Lighthouse (tests/ft_rogue.py). Behind the others, it is named a recovery destination
+    and asks a live replica for the state: 403, none of it. Claiming step 100000, it is named both
+    replicas' recovery source and offers weights of 40.81: both refuse them unloaded (not signed
+    with the job's secret), drop those rounds, and train on once it has left, their anchors far from
+    the poison and equal at every step. Every listener of a replica is on the job's address."""
+    job = Job(lighthouse, tmp_path, 2, steps=100_000, tau=4, sleep=0.05)  # killed at the end
+    for replica in range(2):
+        job.start(replica)
     try:
-        state = {"user": {"model": {"w": torch.arange(4.0)}}, "torchft": {"step": 3, "batches_committed": 9}}
-        peer.send_checkpoint([1], step=3, state_dict=state, timeout=timeout)
-        got = replacement.recv_checkpoint(0, peer.metadata(), step=3, timeout=timeout)
-        assert torch.equal(got["user"]["model"]["w"], torch.arange(4.0)) and got["torchft"]["step"] == 3
-        with pytest.raises(urllib.error.HTTPError, match="404"):  # nothing staged for that step
-            replacement.recv_checkpoint(0, peer.metadata(), step=4, timeout=timeout)
-        # a peer that sends a pickled object (code to run on load): refused by weights_only=True
-        data = pickle.dumps({"user": _Exploit()}, protocol=2)
-        import hashlib
-
-        with peer._ready:
-            peer._staged = (5, data, hashlib.sha256(data).hexdigest())
-        with pytest.raises(pickle.UnpicklingError):
-            replacement.recv_checkpoint(0, peer.metadata(), step=5, timeout=timeout)
-        # bytes that do not match their digest: refused before unpickling
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        with peer._ready:
-            peer._staged = (6, buffer.getvalue(), "0" * 64)
-        with pytest.raises(RuntimeError, match="SHA-256"):
-            replacement.recv_checkpoint(0, peer.metadata(), step=6, timeout=timeout)
+        _wait_until(lambda: min(len(job.records(r)) for r in range(2)) >= 5, 90, job)
+        listening = {r: _listening(job.procs[r].pid) for r in range(2)}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CO2_FT_SECRET")}
+        env.update(TORCHFT_LIGHTHOUSE=lighthouse, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        for claim, seconds in ((0, 60), (100_000, 4)):  # behind the others, then ahead of them
+            rogue = [sys.executable, str(ROGUE), f"--out={tmp_path / 'rogue.jsonl'}", f"--claim_step={claim}"]
+            done = subprocess.run(
+                [*rogue, f"--seconds={seconds}"], env=env, capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        left = time.time()
+        after = lambda r: [x for x in job.records(r) if x["time"] > left + 2 and x["participants"] == 2]  # noqa: E731
+        _wait_until(lambda: min(len(after(r)) for r in range(2)) >= 5, 90, job)
     finally:
-        peer.shutdown()
-        replacement.shutdown()
-
-
-def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
-    """torchft names a peer's snapshot by its step, which stays the same over many CO2 quorums
-    (at the start, while rounds are dropped): a peer healing in a new quorum must never get the
-    last quorum's snapshot (state of an earlier boundary), so it is withdrawn before asking."""
-    import urllib.error
-    from datetime import timedelta
-
-    import torch
-
-    from co2_hf.core.ft import RecoveryTransport, TorchFTCommunicator
-
-    peer, healer = (
-        RecoveryTransport("127.0.0.1", timedelta(seconds=1)),
-        RecoveryTransport("127.0.0.1", timedelta(seconds=5)),
-    )
-    served_when_asking = []
-
-    class Manager:  # the Manager's side a quorum touches, at torchft step 1 (no start-up wait)
-        def start_quorum(self) -> None:
-            try:
-                healer.recv_checkpoint(0, peer.metadata(), step=1, timeout=timedelta(seconds=5))
-                served_when_asking.append(True)
-            except urllib.error.HTTPError:
-                served_when_asking.append(False)
-
-        def current_step(self) -> int:
-            return 1
-
-        def num_participants(self) -> int:
-            return 2
-
-    try:
-        # no process group: a quorum does not touch it (only a coded wire's collectives do)
-        comm = TorchFTCommunicator(
-            Manager(), peer, pg=None, timeout=timedelta(seconds=5), num_workers=2, worker_index=0
-        )
-        peer.send_checkpoint([1], step=1, state_dict={"w": torch.zeros(2)}, timeout=timedelta(seconds=5))
-        comm.start_quorum()
-        assert served_when_asking == [False]
-    finally:
-        peer.shutdown()
-        healer.shutdown()
+        job.kill()
+    assert all(addresses == {"127.0.0.1"} for addresses in listening.values()), listening
+    asked = [json.loads(line) for line in (tmp_path / "rogue.jsonl").read_text().splitlines()]
+    assert [a["status"] for a in asked] == [403] and asked[0]["bytes"] < 1000, asked
+    assert "refused a recovery request from 127.0.0.1" in job.log(0) + job.log(1)
+    for replica in range(2):
+        records = job.records(replica)
+        assert "is not signed with this job's secret" in job.log(replica), job.logs()
+        assert max(r["committed"] for r in records) < 100_000 and max(r["anchor_max"] for r in records) < 40
+    _same_anchor_at_every_shared_step(job)
 
 
 @pytest.mark.parametrize("quorum", ["errored", "group_not_set_up"])

@@ -9,24 +9,22 @@ a live peer's whole state first. The outer gradient is summed over the round's p
 wire's header counts the finite ones, so the mean is over whoever sent. A coded wire (int8, int4,
 sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); its residuals
 follow the group's changes (``quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
-fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied.
+fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied. A
+peer's state travels only between the job's own replicas, signed with the job's secret, and every
+listener is on the job's address (``recovery.py``; docs/reliability.md, "torchft: who can reach what").
 
 Needs the ``ft`` extra (``pip install 'co2_hf[ft]'``, torchft); nothing else imports this module.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import contextlib
 import logging
 import os
 import socket
-import threading
 import time
-import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -39,9 +37,11 @@ from .collectives import Collectives
 from .comm import BackgroundWork, Communicator, Pending
 
 try:
-    from torchft.checkpointing.transport import CheckpointTransport
+    import torchft.manager
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroup, ProcessGroupGloo
+
+    from .recovery import RecoveryTransport, job_secret
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("co2_hf.core.ft needs torchft: pip install 'co2_hf[ft]'") from error
 
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 # torchft's own environment variables (torchft/manager.py, torchft/torchx.py)
 LIGHTHOUSE_ENV, REPLICA_ENV, NUM_REPLICAS_ENV = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
-DIGEST_HEADER = "X-CO2-SHA256"
 
 
 class TorchFTCommunicator(Communicator):
@@ -98,7 +97,8 @@ class TorchFTCommunicator(Communicator):
             logger.warning(
                 "CO2: %d replica groups in the torchft quorum, more than %s=%d: a killed replica group's "
                 "replacement joined before the Lighthouse dropped it, a group was started twice (two "
-                "processes with one %s?), or %s is too small",
+                "processes with one %s?), %s is too small, or a process outside the job joined the "
+                "Lighthouse (it gets no state and gives none: docs/reliability.md)",
                 participants,
                 NUM_REPLICAS_ENV,
                 self.num_workers,
@@ -226,82 +226,6 @@ class QuorumCollectives:
         self.pg.allgather([rows], [input], AllgatherOptions()).wait(self.timeout)
 
 
-class RecoveryTransport(CheckpointTransport):
-    """torchft's checkpoint transport for CO2's state, from a live peer to a replica that is behind.
-
-    torchft's own HTTPTransport serves live tensor references on every interface and unpickles
-    whatever it receives, objects included; this one snapshots the state into bytes when torchft asks it to
-    send (so training may go on), serves them on ``host`` only, at ``/co2/<step>`` only, with
-    their SHA-256, and loads what it receives with ``weights_only=True`` (tensors, numbers,
-    strings and containers: nothing that runs code)."""
-
-    def __init__(self, host: str, timeout: timedelta) -> None:
-        self._timeout = timeout
-        self._staged: tuple[int, bytes, str] | None = None
-        self._ready = threading.Condition()
-        transport = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                staged = transport._wait_for(self.path)
-                if staged is None:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(staged[1])))
-                self.send_header(DIGEST_HEADER, staged[2])
-                self.end_headers()
-                self.wfile.write(staged[1])
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((host, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="co2_recovery", daemon=True).start()
-        self._address = f"http://{host}:{self._server.server_address[1]}/co2"
-
-    def metadata(self) -> str:
-        return self._address
-
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer)
-        data = buffer.getvalue()
-        with self._ready:
-            self._staged = (step, data, hashlib.sha256(data).hexdigest())
-            self._ready.notify_all()
-
-    def disallow_checkpoint(self) -> None:
-        with self._ready:
-            self._staged = None
-
-    def _wait_for(self, path: str) -> tuple[int, bytes, str] | None:
-        """The staged snapshot ``path`` asks for (``/co2/<step>``), once staged; None: none in time."""
-        prefix = "/co2/"
-        if not path.startswith(prefix) or not path[len(prefix) :].isdigit():
-            return None
-        step = int(path[len(prefix) :])
-        with self._ready:
-            self._ready.wait_for(
-                lambda: self._staged is not None and self._staged[0] == step, self._timeout.total_seconds()
-            )
-            staged = self._staged
-        return staged if staged is not None and staged[0] == step else None
-
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a peer, never a proxy
-        with opener.open(f"{metadata}/{step}", timeout=timeout.total_seconds()) as response:
-            data, digest = response.read(), response.headers.get(DIGEST_HEADER)
-        if digest != hashlib.sha256(data).hexdigest():
-            raise RuntimeError(f"CO2: the state received from {metadata} does not match its SHA-256")
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-
-    def shutdown(self, wait: bool = True) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 def check_config(config: CO2Config) -> None:
     """Refuse the settings this version does not run on torchft, naming the flag (before anything starts)."""
     if config.co2_worker_size != 1:
@@ -310,9 +234,103 @@ def check_config(config: CO2Config) -> None:
         raise ValueError(f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} with torchft: allowed is 0")
 
 
+def build_manager(
+    host: str,
+    transport: RecoveryTransport,
+    *,
+    replica_id: str,
+    lighthouse: str | None = None,
+    timeout: timedelta,
+    quorum_timeout: timedelta,
+) -> tuple[Manager, JobGloo, torch.distributed.TCPStore]:
+    """torchft's Manager for a replica group of one process as CO2 runs it: every listener on
+    ``host``, a replica that is behind loaded before its quorum returns (no async quorum), a peer's
+    state through ``transport`` (which follows the Manager). Returns it, its gloo group and its store
+    (keep a reference: the store lives as long as it)."""
+    store, pg = store_on(host), JobGloo(host, timeout)
+    with manager_server_on(host):
+        manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+            hostname=host,
+            checkpoint_transport=transport,
+            init_sync=True,
+        )
+    transport.follow(manager)
+    return manager, pg, store
+
+
+def store_on(host: str) -> torch.distributed.TCPStore:
+    """A replica group's TCPStore listening on ``host`` only: given a port, TCPStore listens on every
+    interface; given a socket already bound (``master_listen_fd``), on that socket's."""
+    listener = socket.create_server((host, 0))
+    port = listener.getsockname()[1]
+    return torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
+
+
+@contextlib.contextmanager
+def manager_server_on(host: str) -> Iterator[None]:
+    """While torchft's Manager is built, its ManagerServer listens on ``host`` only. torchft 0.2.0
+    binds it to ``[::]`` (every interface) with no way to say otherwise, so its module's
+    ``ManagerServer`` is swapped, for the time of the constructor, for one given ``host``'s address."""
+    original = torchft.manager.ManagerServer
+
+    def bound(*, bind: str, **kwargs: Any) -> Any:
+        return original(bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    torchft.manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
+
+
+class JobGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, listening on the job's address. torchft 0.2.0 gives gloo
+    its default device, which listens where the machine's host name resolves: with a loopback job,
+    perhaps an interface the whole network reaches."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self.host = host
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        """torchft 0.2.0's ``ProcessGroupGloo._create_pg``, its device on ``host``."""
+        from torch.distributed import ProcessGroup as Group
+        from torch.distributed import ProcessGroupGloo as Gloo
+
+        options = Gloo._Options()
+        options._devices = [Gloo.create_device(hostname=self.host)]
+        options._timeout, options._threads = self._timeout, 2  # torch's two threads for one device
+        if self._global_ranks:
+            options.global_ranks_in_group = self._global_ranks
+        if self._group_rank and self._group_world_size:
+            options.group_name = f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+        backend = Gloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        pg = Group(store, rank, world_size)
+        pg._set_default_backend(Group.BackendType.GLOO)
+        for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():
+            pg._register_backend(torch.device(device), Group.BackendType.GLOO, backend)
+        return pg
+
+
 def job_interface(lighthouse: str) -> str:
     """The address of this host's interface that reaches the Lighthouse: the one the job's
-    replicas share, where the store and the recovery transport listen."""
+    replicas share, where every listener of a replica is."""
     host = lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
@@ -323,8 +341,11 @@ class TorchFT:
     """One replica group of a torchft job running CO2: ``TorchFT(config).start(model, optimizer)``.
 
     The Lighthouse address, this replica group's id and the job's number of replica groups come
-    from torchft's environment variables unless given. ``timeout_s`` bounds a collective, a
-    commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
+    from torchft's environment variables unless given, the job's secret from ``CO2_FT_SECRET`` or
+    ``CO2_FT_SECRET_FILE`` (`recovery.job_secret`; without it a replica refuses to start). Every
+    listener of the replica (the recovery transport, the store, torchft's ManagerServer, gloo) is on
+    the job's address, the interface that reaches the Lighthouse. ``timeout_s`` bounds a collective,
+    a commit and a recovery (a frozen peer is dropped after it); ``quorum_timeout_s`` how long a
     replica waits for a quorum (set it above a round's compute); ``start_timeout_s`` how long the
     replicas of a job that is starting wait for each other before training without the late ones."""
 
@@ -335,6 +356,7 @@ class TorchFT:
         lighthouse: str | None = None,
         replica_id: int | None = None,
         num_replicas: int | None = None,
+        secret: bytes | None = None,
         timeout_s: float = 30.0,
         quorum_timeout_s: float = 300.0,
         start_timeout_s: float = 60.0,
@@ -342,27 +364,16 @@ class TorchFT:
         check_config(config)
         self.config = config
         self.lighthouse, self.replica_id, self.num_replicas = job_from_env(lighthouse, replica_id, num_replicas)
+        secret = secret if secret is not None else job_secret()
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
-        transport = RecoveryTransport(host, timeout)
-        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=1,
-            use_async_quorum=False,  # a replica that is behind loads its state before the launch
+        transport = RecoveryTransport(host, timeout, secret=secret)
+        self.manager, pg, self._store = build_manager(
+            host,
+            transport,
+            replica_id=f"co2_{self.replica_id}",
+            lighthouse=self.lighthouse,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr=host,
-            store_port=self._store.port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=f"co2_{self.replica_id}",
-            hostname=host,
-            checkpoint_transport=transport,
-            init_sync=True,
         )
         self.comm = TorchFTCommunicator(
             self.manager,

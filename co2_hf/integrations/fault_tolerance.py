@@ -58,6 +58,7 @@ def check_arguments(args) -> None:
         raise ValueError(f"{flag} needs torchft: pip install 'co2_hf[ft]'") from error
     ft.check_config(args)
     ft.job_from_env()
+    ft.job_secret()
     if launch.launched_world_size() != 1:
         raise ValueError(
             f"{flag} with WORLD_SIZE={launch.launched_world_size()}: one process per replica group in this "

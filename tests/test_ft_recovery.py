@@ -1,0 +1,344 @@
+"""The recovery transport of CO2 on torchft (``co2_hf/core/recovery.py``), one check at a time and
+without a Lighthouse: a state moves only between the job's replicas, as the quorum planned, within
+the size the receiver expects, from a server that a flood cannot grow; a replica without the job's
+secret does not start. tests/test_ft.py has the rogue joiner of a real job."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import pickle
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytest.importorskip("torchft")
+
+import torch  # noqa: E402
+
+from co2_hf import CO2Config  # noqa: E402
+from co2_hf.core.recovery import (  # noqa: E402
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    Position,
+    RecoveryRefused,
+    RecoveryTransport,
+    job_secret,
+    sign,
+    size_limit,
+)
+
+pytestmark = [pytest.mark.torchft, pytest.mark.timeout(60)]
+SECRET = b"the tests' job secret, not a real one"
+QUORUM = 7  # the quorum every transport here is in
+
+
+def _state() -> dict:
+    return {"user": {"model": {"w": torch.arange(4.0)}}, "torchft": {"step": 3, "batches_committed": 9}}
+
+
+def _transport(rank: int, *, secret: bytes = SECRET, timeout_s: float = 5.0, **kwargs) -> RecoveryTransport:
+    """A replica's transport, ranked ``rank`` in quorum 7, its own state `_state`'s."""
+    return RecoveryTransport(
+        "127.0.0.1",
+        timedelta(seconds=timeout_s),
+        secret=secret,
+        position=lambda: Position(QUORUM, rank),
+        own_state=_state,
+        **kwargs,
+    )
+
+
+@contextlib.contextmanager
+def _running(*transports: RecoveryTransport) -> Iterator[tuple[RecoveryTransport, ...]]:
+    try:
+        yield transports
+    finally:
+        for transport in transports:
+            transport.shutdown()
+
+
+def _recv(replacement: RecoveryTransport, metadata: str, *, step: int = 3, timeout_s: float = 5.0):
+    """What replica 1 receives from replica 0 (its source) at ``step``, the quorum's max step."""
+    return replacement.recv_checkpoint(0, metadata, step=step, timeout=timedelta(seconds=timeout_s))
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _answering(answer: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """A peer's address whose server answers every GET with ``answer`` (a rogue's, or a bad one)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            answer(self)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/co2"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _signed(
+    body: bytes, claim: tuple[int, int, int, int], *, secret: bytes = SECRET, signed_body: bytes | None = None
+):
+    """An answer with ``body`` and a claim (step, quorum, from, to) signed with ``secret`` (over
+    ``signed_body`` if given: a body changed after its signature)."""
+    over = body if signed_body is None else signed_body
+    tag = sign(secret, "co2/state", *claim, len(over), hashlib.sha256(over).hexdigest())
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        for name, value in zip(("Step", "Quorum", "From", "To"), claim, strict=True):
+            handler.send_header(f"X-CO2-{name}", str(value))
+        handler.send_header("X-CO2-HMAC", tag)
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return answer
+
+
+PLANNED = (3, QUORUM, 0, 1)  # what replica 1 expects from replica 0: step 3, quorum 7
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo exploited",))
+
+
+def test_a_state_moves_between_the_job_s_replicas_and_no_object_is_loaded():
+    with _running(_transport(0, timeout_s=1), _transport(1)) as (peer, replacement):
+        peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
+        got = _recv(replacement, peer.metadata())
+        assert torch.equal(got["user"]["model"]["w"], torch.arange(4.0)) and got["torchft"]["step"] == 3
+        with pytest.raises(urllib.error.HTTPError, match="404"):  # nothing staged for that step (1 s)
+            _recv(replacement, peer.metadata(), step=4)
+        # a replica of the job that sends a pickled object (code to run on load): weights_only=True
+        with _answering(_signed(pickle.dumps({"user": _Exploit()}, protocol=2), PLANNED)) as rogue:
+            with pytest.raises(pickle.UnpicklingError):
+                _recv(replacement, rogue)
+
+
+@pytest.mark.parametrize("forgery", ["no_tag", "another_secret", "body_changed_after_signing"])
+def test_a_state_not_signed_with_the_job_s_secret_is_refused_before_anything_is_deserialised(forgery, monkeypatch):
+    """The issue's rogue joiner offered weights of 40.81 at step 100000: signed by no secret, a
+    guessed one, or the job's over another body, nothing of it is unpickled."""
+    poison = _saved({"user": {"model": {"w": torch.full((4,), 40.81)}}, "torchft": {"step": 3}})
+    answer = {
+        "no_tag": _signed(poison, PLANNED, secret=b""),
+        "another_secret": _signed(poison, PLANNED, secret=b"a guess at the job's secret"),
+        "body_changed_after_signing": _signed(poison, PLANNED, signed_body=_saved(_state())),
+    }[forgery]
+    loaded = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(a))
+    with _running(_transport(1)) as (replacement,), _answering(answer) as rogue:
+        with pytest.raises(RecoveryRefused, match="not signed with this job's secret .CO2_FT_SECRET."):
+            _recv(replacement, rogue)
+    assert loaded == []
+
+
+@pytest.mark.parametrize(
+    "claim, named",
+    [
+        ((100000, QUORUM, 0, 1), "step 100000 (the quorum's: 3)"),
+        ((3, QUORUM - 1, 0, 1), "quorum 6 (the quorum's: 7)"),
+        ((3, QUORUM, 2, 1), "sender's rank 2 (the quorum's: 0)"),
+        ((3, QUORUM, 0, 2), "receiver's rank 2 (the quorum's: 1)"),
+    ],
+)
+def test_a_signed_state_other_than_the_one_the_quorum_planned_is_refused(claim, named):
+    """Signed with the job's secret (a replica of the job, an answer recorded in another quorum),
+    but not from this replica's source, at the quorum's max step, in this quorum, for this replica."""
+    with _running(_transport(1)) as (replacement,), _answering(_signed(_saved(_state()), claim)) as peer:
+        with pytest.raises(RecoveryRefused, match=re.escape(f"not the one this quorum planned: it claims {named}")):
+            _recv(replacement, peer)
+
+
+def test_a_request_without_the_job_s_secret_gets_403_and_nothing_of_the_state(caplog):
+    """A process that joined the quorum behind the others is named a recovery destination; asking
+    with another secret, or none, it gets 403 at once, and the replica says so once at WARNING."""
+    with _running(_transport(0, timeout_s=1), _transport(1, secret=b"a guess at the job's secret")) as (peer, rogue):
+        peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
+        with caplog.at_level(logging.WARNING, logger="co2_hf.core.recovery"):
+            for ask in (lambda: _recv(rogue, peer.metadata()), lambda: urllib.request.urlopen(peer.metadata() + "/3")):
+                start = time.monotonic()
+                with pytest.raises(urllib.error.HTTPError, match="403") as refused:
+                    ask()
+                assert refused.value.read() != _saved(_state()) and time.monotonic() - start < 0.9
+        warnings = [r.getMessage() for r in caplog.records if "refused a recovery request" in r.getMessage()]
+        assert len(warnings) == 1 and "from 127.0.0.1: not signed with this job's secret" in warnings[0]
+        # signed with the job's secret but for a replica torchft did not name: nothing (404)
+        with _running(_transport(2)) as (stranger,), pytest.raises(urllib.error.HTTPError, match="404"):
+            stranger.recv_checkpoint(0, peer.metadata(), step=3, timeout=timedelta(seconds=5))
+
+
+def _raw(head: bytes, *, pieces: int, every_s: float) -> Callable[[BaseHTTPRequestHandler], None]:
+    """An answer of headers ``head``, then ``pieces`` of 64 KiB, one every ``every_s`` seconds."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.wfile.write(head)
+        with contextlib.suppress(OSError):
+            for _ in range(pieces):
+                handler.wfile.write(b"\0" * 65536)
+                handler.wfile.flush()
+                time.sleep(every_s)
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "head, pieces, every_s, refused",
+    [
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2147483648\r\n\r\n", 3, 2.0, "has 2147483648 bytes, more than"),
+        (b"HTTP/1.0 200 OK\r\n\r\n", 3, 2.0, "does not say its length"),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 1048576\r\n\r\n", 16, 0.25, "did not arrive in time"),
+    ],
+)
+def test_a_body_beyond_what_this_replica_accepts_is_refused_unread(head, pieces, every_s, refused):
+    """The issue's 2 MB that inflate to 2 GiB, as a transfer: refused from its Content-Length (or
+    its lack of one) at once, without reading it; a peer that trickles its bytes meets the timeout."""
+    with _running(_transport(1)) as (replacement,), _answering(_raw(head, pieces=pieces, every_s=every_s)) as rogue:
+        start = time.monotonic()
+        with pytest.raises(RecoveryRefused, match=refused):
+            _recv(replacement, rogue, timeout_s=1.5)
+        assert time.monotonic() - start < 3.0
+
+
+def test_the_size_limit_admits_the_state_a_replacement_s_fresh_optimizer_lacks():
+    """A replacement's Adam holds no moments before its first step; its peer's does. Every state
+    a peer of the same job sends fits the limit the replacement computes from its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    fresh = torch.optim.Adam(model.parameters())
+    own = {"model": model.state_dict(), "optimizer": fresh.state_dict()}
+    stepped = torch.optim.Adam(model.parameters(), amsgrad=True)  # three tensors a parameter
+    model(torch.randn(2, 64)).sum().backward()
+    stepped.step()
+    assert len(_saved({"model": model.state_dict(), "optimizer": stepped.state_dict()})) <= size_limit(own)
+    scalars = {f"p{i}": torch.zeros(()) for i in range(2000)}  # a pickle mostly structure
+    assert len(_saved({"model": scalars, "log": "x" * 100_000})) <= size_limit({"model": scalars})
+    assert size_limit(own) < 4 * len(_saved(own)) + (1 << 20) + 100_000  # and no looser than that
+
+
+def test_the_recovery_server_runs_at_most_max_requests_connections_at_once():
+    """30 connections that never send a request (a flood, or a slow client) start no more than 4
+    server threads; each is closed after the timeout, and the transport then serves its peer."""
+    with _running(_transport(0, timeout_s=1, max_requests=4), _transport(1)) as (peer, replacement):
+        before = threading.active_count()
+        port = int(peer.metadata().rsplit(":", 1)[1].split("/")[0])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
+        time.sleep(0.3)
+        assert threading.active_count() - before <= 4
+        time.sleep(1.5)  # their timeout: the slots are free again
+        peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
+        assert _recv(replacement, peer.metadata())["torchft"]["step"] == 3
+        for connection in idle:
+            connection.close()
+
+
+def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
+    """torchft names a peer's snapshot by its step, which stays the same over many CO2 quorums
+    (at the start, while rounds are dropped): a peer healing in a new quorum must never get the
+    last quorum's snapshot (state of an earlier boundary), so it is withdrawn before asking."""
+    from co2_hf.core.ft import TorchFTCommunicator
+
+    served_when_asking = []
+    with _running(_transport(0, timeout_s=1), _transport(1)) as (peer, healer):
+
+        class Manager:  # the Manager's side a quorum touches, at torchft step 1 (no start-up wait)
+            def start_quorum(self) -> None:
+                try:
+                    _recv(healer, peer.metadata(), step=1)
+                    served_when_asking.append(True)
+                except urllib.error.HTTPError:
+                    served_when_asking.append(False)
+
+            def current_step(self) -> int:
+                return 1
+
+            def num_participants(self) -> int:
+                return 2
+
+        # no process group: a quorum does not touch it (only a coded wire's collectives do)
+        comm = TorchFTCommunicator(
+            Manager(), peer, pg=None, timeout=timedelta(seconds=5), num_workers=2, worker_index=0
+        )
+        peer.send_checkpoint([1], step=1, state_dict={"torchft": {"step": 1}}, timeout=timedelta(seconds=5))
+        comm.start_quorum()
+    assert served_when_asking == [False]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({}, "needs the job's secret: set CO2_FT_SECRET .* or CO2_FT_SECRET_FILE"),
+        ({SECRET_ENV: "x" * 16, SECRET_FILE_ENV: "{file}"}, "both CO2_FT_SECRET and CO2_FT_SECRET_FILE are set"),
+        ({SECRET_ENV: "short"}, "CO2_FT_SECRET: the secret has 5 bytes, allowed are 16 or more"),
+        (
+            {SECRET_FILE_ENV: "{file}"},
+            r"open to other users \(mode -rw-r--r--\); allowed is its owner only: chmod 600",
+        ),
+        ({SECRET_FILE_ENV: "{file}.missing"}, "CO2_FT_SECRET_FILE=.*missing: cannot read it"),
+    ],
+)
+def test_a_replica_without_a_usable_job_secret_refuses_to_start_naming_the_variable(
+    env, message, tmp_path, monkeypatch
+):
+    from co2_hf import CO2TrainingArguments
+    from co2_hf.core.ft import TorchFT
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("x" * 32)
+    secret_file.chmod(0o644)
+    for name in (SECRET_ENV, SECRET_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(file=secret_file))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")  # never reached: refused before
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    with pytest.raises(ValueError, match=message):
+        job_secret()
+    with pytest.raises(ValueError, match=message):
+        TorchFT(CO2Config())
+    with pytest.raises(ValueError, match=message):  # the Trainer: before any process group exists
+        CO2TrainingArguments(str(tmp_path), use_cpu=True, co2_fault_tolerance="torchft")
+
+
+def test_ft_launch_makes_a_secret_only_its_user_reads_and_removes_it(monkeypatch):
+    from scripts.ft_launch import job_secret as launcher_secret
+
+    for name in (SECRET_ENV, SECRET_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with launcher_secret() as given:
+        path = given[SECRET_FILE_ENV]
+        assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        monkeypatch.setenv(SECRET_FILE_ENV, path)
+        assert len(job_secret()) == 64
+        monkeypatch.delenv(SECRET_FILE_ENV)
+    assert not os.path.exists(os.path.dirname(path))
+    monkeypatch.setenv(SECRET_ENV, "the user's own secret")  # the user's is passed on as it is
+    with launcher_secret() as given:
+        assert given == {SECRET_ENV: "the user's own secret"}
