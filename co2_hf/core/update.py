@@ -110,4 +110,4 @@ def lookahead_offset_(out: Tensor, d: Tensor, m: Tensor, beta: float, nesterov: 
     torch.add(d, m, alpha=beta, out=out)
     if nesterov:
         out.mul_(beta).add_(d)
-    return out.mul_(lr)
+    return out if lr == 1.0 else out.mul_(lr)  # times 1 changes no bit: the default's pass saved
