@@ -57,8 +57,10 @@ BAD_FLAGS = [
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),
     ("co2_max_skipped_rounds", "-2", "integer >= 0"),
-    ("co2_timeout_s", "0", "a finite number > 0"),
-    ("co2_timeout_s", "inf", "a finite number > 0"),
+    ("co2_timeout_s", "0", "a finite number of seconds >= 1"),
+    ("co2_timeout_s", "0.0001", "a finite number of seconds >= 1"),
+    ("co2_timeout_s", "inf", "a finite number of seconds >= 1"),
+    ("co2_local_steps", "1000000000", "an integer in [1, 10000]"),
 ]
 
 
@@ -220,12 +222,12 @@ def test_when_no_worker_is_finite_the_update_is_skipped_then_training_stops(nan_
 @pytest.mark.timeout(30)
 def test_a_timeout_shorter_than_two_rounds_warns_once(caplog):
     model = torch.nn.Linear(4, 4)
-    comm = FakeCommunicator(delay_s=0.1)  # each outer all-reduce takes 0.1 s
-    co2 = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=0.15), communicator=comm)
+    comm = FakeCommunicator(delay_s=0.55)  # each outer all-reduce takes 0.55 s: two take more than the timeout
+    co2 = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=1.0), communicator=comm)
     with caplog.at_level(logging.WARNING, logger="co2_hf.core.co2"):
         for _ in range(6):
             co2.step()
-    warnings = [r.getMessage() for r in caplog.records if "co2_timeout_s=0.15s is shorter" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "co2_timeout_s=1s is shorter" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
     quiet = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=60), communicator=FakeCommunicator(delay_s=0.1))
     caplog.clear()
