@@ -106,6 +106,7 @@ class CO2Accelerate:
         inner = getattr(optimizer, "optimizer", optimizer)
         self.co2 = CO2(self.module, self.config, optimizer=inner)
         self._loading: str | None = None  # the folder `load_state` is loading, checked already
+        self._run: str | None = None  # this run's id (publish.py, "Runs"): load_state takes its folder's
         self._closed = False
         self._skipped_loads: _SkippedLoads | None = None
         # No object registered for accelerate's checkpointing: accelerate unpickles those with
@@ -210,10 +211,11 @@ class CO2Accelerate:
             )
         rank = accelerator.process_index
         leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
-        staging = publish.begin_save(output_dir, rank=rank, leader=leader)
+        self._run = run = self._run or publish.new_run_id()
+        staging = publish.begin_save(output_dir, rank=rank, leader=leader, run=run)
         accelerator.save_state(staging, **kwargs)
         world, step, own = accelerator.num_processes, self.co2.inner_steps, checkpoint.RANK_FILE.format(rank=rank)
-        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own)
+        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
 
     def load_state(self, input_dir: str, **kwargs: Any) -> None:
         """``accelerator.load_state(input_dir)``, then this rank's own state (local parameters, inner
@@ -228,7 +230,7 @@ class CO2Accelerate:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
         # refusing when one does; the rank file is then checked by size only
-        checkpoint.agree(self._check_loadable, input_dir, rank, world)
+        self._run = checkpoint.agree(self._check_loadable, input_dir, rank, world) or self._run
         self._loading = input_dir
         try:
             self.accelerator.load_state(input_dir, **kwargs)
@@ -243,7 +245,8 @@ class CO2Accelerate:
             saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=accelerator.scaler
         )
 
-    def _check_loadable(self, input_dir: str, rank: int, world: int) -> None:
+    def _check_loadable(self, input_dir: str, rank: int, world: int) -> str | None:
+        """Refuse what cannot be loaded; return the run that saved the folder (None: not recorded)."""
         checkpoint.check_rank_state(input_dir, rank, world, require_manifest=False)
         # Accelerate refuses a folder whose custom-object files outnumber the registered objects, but
         # only after loading the model and optimizer: say so first. co2_hf before this version saved
@@ -259,6 +262,9 @@ class CO2Accelerate:
                 "an earlier co2_hf holds one of CO2's, which this version does not load; resume it with that co2_hf "
                 "release, or start from its model (co2.save_pretrained / from_pretrained)"
             )
+        if not os.path.lexists(os.path.join(input_dir, checkpoint.MANIFEST_FILE)):
+            return None  # a plain accelerator.save_state folder
+        return publish.read_manifest(input_dir).get("run")
 
     def _check_open(self, method: str, instead: str) -> None:
         if self._closed:
