@@ -34,7 +34,8 @@ holding other files is refused, never replaced. Loading checks the folder on eve
 anything is read (refusing a missing, truncated, corrupted or unlisted file by name), runs
 ``accelerator.load_state``, then restores this rank's own file, read with ``weights_only=True``.
 Nothing is registered with ``accelerator.register_for_checkpointing``: Accelerate unpickles those
-objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code. A plain
+objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code; an
+object the user registered is refused (at construction, ``save_state`` and ``load_state``). A plain
 ``accelerator.save_state`` inside the block writes the rank files too (no manifest); a plain
 ``accelerator.load_state`` of a folder with rank files is refused, naming ``co2.load_state``.
 
@@ -96,6 +97,7 @@ class CO2Accelerate:
 
     def _start(self, accelerator: Any, optimizer: Any) -> None:
         _check_launch(accelerator, self.config)
+        _refuse_custom_objects(accelerator, "CO2Accelerate")
         if accelerator.num_processes == 1:
             logger.warning(
                 "CO2Accelerate: one process, nobody to average with: CO2 runs as a single worker and "
@@ -202,6 +204,7 @@ class CO2Accelerate:
             self.accelerator.save_state(output_dir, **kwargs)
             return
         self._check_open("save_state", "co2.save_pretrained(folder) saves the final model")
+        _refuse_custom_objects(self.accelerator, "CO2Accelerate.save_state")
         accelerator, project = self.accelerator, self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             raise ValueError(
@@ -227,6 +230,7 @@ class CO2Accelerate:
             self.accelerator.load_state(input_dir, **kwargs)
             return
         self._check_open("load_state", "load it into a new CO2Accelerate")
+        _refuse_custom_objects(self.accelerator, "CO2Accelerate.load_state")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
         # refusing when one does; the rank file is then checked by size only
@@ -347,6 +351,21 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
             "accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
+
+
+def _refuse_custom_objects(accelerator: Any, what: str) -> None:
+    """Objects registered with ``accelerator.register_for_checkpointing`` are saved by Accelerate as
+    pickles and loaded back with ``weights_only=False``: a checkpoint from elsewhere would run code."""
+    objects = list(getattr(accelerator, "_custom_objects", []))
+    if objects:
+        names = ", ".join(type(obj).__name__ for obj in objects)
+        raise ValueError(
+            f"{what}: {len(objects)} object(s) are registered with accelerator.register_for_checkpointing "
+            f"({names}), and CO2Accelerate neither saves nor loads them: Accelerate loads them back with a full "
+            "pickle (weights_only=False), so a checkpoint from elsewhere could run code in load_state. Do not "
+            "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
+            "read back with torch.load(..., weights_only=True))"
+        )
 
 
 def _check_replicas(accelerator: Any) -> None:
