@@ -486,7 +486,7 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
             again.train(resume_from_checkpoint=str(folder))
         assert again.state.global_step == 0 and again.co2 is None  # before CO2 or training started
     # a payload in the rank file, the manifest rewritten to match: refused before it runs
-    from tampering import Payload, rehash, rewrite_manifest
+    from tampering import Payload, deflated, rehash, rewrite_manifest
 
     hostile, marker = tmp_path / "hostile", str(tmp_path / "code_ran")
     shutil.copytree(tmp_path / "run" / "checkpoint-4", hostile)
@@ -497,5 +497,13 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
     with pytest.raises(ValueError, match="co2_rank0.pt holds something other than tensors"):
         again.train(resume_from_checkpoint=str(hostile))
     assert not os.path.exists(marker) and again.state.global_step == 0
+    # the Trainer's own optimizer.pt deflate-compressed (the form of a zip bomb), its manifest rewritten:
+    # refused before the Trainer reads it (torch.load would have inflated it)
+    bomb = tmp_path / "bomb"
+    shutil.copytree(tmp_path / "run" / "checkpoint-4", bomb)
+    deflated(str(bomb / "optimizer.pt"))
+    rewrite_manifest(str(bomb), rehash(str(bomb)))
+    with pytest.raises(ValueError, match=r"bomb: optimizer.pt holds a compressed entry \("):
+        again.train(resume_from_checkpoint=str(bomb))
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*no_such_folder: no such folder"):
         again.train(resume_from_checkpoint=str(tmp_path / "no_such_folder"))

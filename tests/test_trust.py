@@ -8,18 +8,20 @@ test_accelerate.py and test_trainer.py."""
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import logging
 import os
+import time
 
 import pytest
 import torch
-from tampering import Payload, rehash, rewrite_manifest
+from tampering import Payload, deflated, overlapping, pickle_bomb, rehash, rewrite_manifest
 from workers import TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2Config, CO2TrainingArguments
 from co2_hf.core import CO2
-from co2_hf.integrations import checkpoint, publish
+from co2_hf.integrations import bounded, checkpoint, publish
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
@@ -143,6 +145,62 @@ def test_the_world_file_is_validated_after_the_manifest(tmp_path):
     torch.save({}, checkpoint.rank_file(broken, 0))
     with pytest.raises(ValueError, match="has no co2_manifest.json"):  # not a JSON error of another file
         checkpoint.check_shared(broken)
+
+
+# ---------------------------------------------------------------------- bounded loads
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch):
+    """``torch.load`` fails the test: a refusal must come before anything is inflated or unpickled."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("torch.load was reached")
+
+    monkeypatch.setattr(torch, "load", reached)
+
+
+def test_a_zip_bomb_in_a_shared_file_is_refused_before_anything_is_inflated(tmp_path, no_torch_load):
+    folder = published(str(tmp_path / "ckpt"), {"optimizer.pt": _torch_bytes({"state": {}, "param_groups": []})})
+    optimizer = os.path.join(folder, "optimizer.pt")
+    deflated(optimizer, inflate_to=256 << 20)  # 256 MiB of zeros after its pickle, deflated to 0.25 MB
+    rewrite_manifest(folder, rehash(folder))
+    assert os.path.getsize(optimizer) < 1 << 20
+    start = time.perf_counter()
+    expands = r"optimizer.pt holds a compressed entry \(archive/data.pkl: \d+ bytes that would expand to 2684"
+    with pytest.raises(ValueError, match=expands):
+        checkpoint.check_shared(folder)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_pickle_larger_than_its_entries_need_is_refused_before_it_is_read(tmp_path, no_torch_load):
+    folder = published(str(tmp_path / "ckpt"), {"model.safetensors": b"w"})
+    pickle_bomb(checkpoint.rank_file(folder, 0), 3 << 20)  # stored: its size is what the manifest says
+    rewrite_manifest(folder, rehash(folder))
+    start = time.perf_counter()
+    larger = r"co2_rank0.pt's pickle \(bomb/data.pkl\) is 3145728 bytes, more than the 1051648 the structure of 3"
+    with pytest.raises(ValueError, match=larger):
+        checkpoint.check_complete(folder, 0, 1)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_only_torch_save_zips_that_cannot_expand_are_loaded(tmp_path):
+    real = tmp_path / "real.pt"
+    real.write_bytes(_torch_bytes({"w": torch.ones(1000), "step": 4}))
+    bounded.check_torch_file(str(real), where="here")  # what torch.save writes passes
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="here: legacy.pt is not a zip of torch.save"):
+        bounded.check_torch_file(str(legacy), where="here")
+    overlapping(str(real), copies=3)  # one tensor's bytes listed as three entries
+    with pytest.raises(ValueError, match=r"here: real.pt's entries add up to \d+ bytes but the file holds"):
+        bounded.check_torch_file(str(real), where="here")
+
+
+def _torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------------- item 3: saves never delete
