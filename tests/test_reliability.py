@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -507,3 +509,38 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
         again.train(resume_from_checkpoint=str(bomb))
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*no_such_folder: no such folder"):
         again.train(resume_from_checkpoint=str(tmp_path / "no_such_folder"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_full_disk_during_a_save_says_so_naming_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real full disk: output_dir on a 1.7 MB tmpfs (in a user and mount namespace of its own), where
+    checkpoint-2 (1.15 MB) fits and checkpoint-4 does not. The save used to fail with torch's
+    ``[enforce fail at inline_container.cc:672] unexpected pos``."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"""
+from trainer_workers import dataset, make_args, tiny_gpt2
+from co2_hf import CO2Trainer
+from co2_hf.integrations import checkpoint
+args = make_args({str(disk)!r}, max_steps=4, save_strategy="steps", save_steps=2)
+try:
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64)).train()
+except OSError as error:
+    print("REFUSED:", error)
+checkpoint.check_shared({str(disk / "checkpoint-2")!r})
+print("PREVIOUS:", sorted(p for p in __import__("os").listdir({str(disk)!r}) if p.startswith("checkpoint")))
+"""
+    mount = 'mount -t tmpfs -o size=1700k none "$0" && exec "$1" -c "$2"'
+    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(disk), sys.executable, script]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=os.path.dirname(__file__))
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if "mount" in done.stderr and "REFUSED" not in done.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr[-300:]}")
+    refused = [line for line in done.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert refused, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"CO2 could not save {disk / 'checkpoint-4'}: the disk that holds it is full" in refused[0]
+    assert "Nothing was published: the previous checkpoints are untouched" in refused[0]
+    assert "PREVIOUS: ['checkpoint-2']" in done.stdout, done.stdout[-2000:]

@@ -216,7 +216,8 @@ class CO2Accelerate:
         leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
         self._run = run = self._run or publish.new_run_id()
         staging = publish.begin_save(output_dir, rank=rank, leader=leader, run=run)
-        accelerator.save_state(staging, **kwargs)
+        with publish.writing(output_dir, staging):  # a full disk says so, naming the folder
+            accelerator.save_state(staging, **kwargs)
         world, step, own = accelerator.num_processes, self.co2.inner_steps, checkpoint.RANK_FILE.format(rank=rank)
         publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
 

@@ -86,15 +86,11 @@ def load_rank_file(directory: str, rank: int, *, mmap: bool = False) -> dict[str
     except pickle.UnpicklingError as error:
         raise ValueError(
             f"checkpoint {directory}: {os.path.basename(path)} holds something other than tensors and plain data "
-            f"(a CO2 rank file never does), so it is not loaded: nothing in it was run. {_first_line(error)}"
+            f"(a CO2 rank file never does), so it is not loaded: nothing in it was run. {publish.first_line(error)}"
         ) from None
     if not (isinstance(state, dict) and {"co2", "model", "optimizer", "scaler"} <= set(state)):
         raise ValueError(f"checkpoint {directory}: {os.path.basename(path)} is not a CO2 rank file")
     return state
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
 def check_rank_state(

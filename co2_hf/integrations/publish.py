@@ -47,6 +47,7 @@ hand; CRC-32 is twice as fast but an error-detecting code, not a content identit
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import hashlib
 import json
@@ -56,7 +57,7 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -118,6 +119,49 @@ def begin_save(final_dir: str, *, rank: int, leader: int, run: str, leftovers: s
     if rank != leader:
         os.makedirs(value, exist_ok=True)  # with per-node disks it is made on this node's own
     return value
+
+
+@contextlib.contextmanager
+def writing(final_dir: str, staging: str) -> Iterator[None]:
+    """Around the writing of a save's files into ``staging``: a full disk (or quota) says so, naming
+    the folder, instead of the writer's own words (``torch.save``'s is ``[enforce fail at
+    inline_container.cc:672] unexpected pos``). Nothing is published, so the previous checkpoints stay
+    as they were; the partial save is this run's to clear at its next save."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if not _disk_full(error, staging):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"CO2 could not save {final_dir}: the disk that holds it is full ({shutil.disk_usage(staging).free} bytes "
+            f"free; {type(error).__name__}: {first_line(error)}). Nothing was published: the previous checkpoints "
+            f"are untouched, and the partial save in {os.path.dirname(staging)} is removed by this run's next save "
+            "(or delete it). Free some space (save_total_limit keeps fewer checkpoints), or save elsewhere",
+        ) from error
+
+
+FULL_BYTES = 1 << 20  # free space below which a failed write is taken for a full disk
+
+
+def _disk_full(error: BaseException, staging: str) -> bool:
+    """A write failed because the disk is full: ``ENOSPC``/``EDQUOT`` anywhere in the exception's chain,
+    or (``torch.save`` reports no errno) less than `FULL_BYTES` left on the staging folder's disk."""
+    chain = error
+    while chain is not None:
+        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        chain = chain.__cause__ or chain.__context__
+    try:
+        return shutil.disk_usage(staging).free < FULL_BYTES
+    except OSError:
+        return False
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message, its first line only (torch's carry a C++ trace after it)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _cannot_stage(final_dir: str, parent: str, error: OSError) -> str:

@@ -427,9 +427,10 @@ class CO2Trainer(Trainer):
         self._co2_run = run = self._co2_run or publish.new_run_id()
         # this run's own staged checkpoints (killed saves) are cleared: nothing else in run_dir is
         staging = publish.begin_save(final, rank=rank, leader=leader, run=run, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
-        with self._saving_into(os.path.dirname(staging)):
-            super()._save_checkpoint(model, trial)
-        self._save_rank_file(staging)
+        with publish.writing(final, staging):  # a full disk says so, naming the folder
+            with self._saving_into(os.path.dirname(staging)):
+                super()._save_checkpoint(model, trial)
+            self._save_rank_file(staging)
         self._point_best_checkpoint_at(staging, final)
         own, step, world = checkpoint.RANK_FILE.format(rank=rank), self.state.global_step, args.world_size
         publish.publish(staging, final, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
