@@ -207,12 +207,6 @@ class CO2Config:
                 f"co2_eager_weight={gamma} is not allowed with co2_start_rule={self.co2_start_rule!r} (it weighs "
                 "the 'eager' start only): allowed value here is 1.0"
             )
-        if self.co2_start_rule == "eager" and not self.co2_overlap:
-            raise ValueError(
-                "co2_start_rule='eager' is not allowed with co2_overlap=False: without overlap no average is in "
-                "flight when a round starts, so every round starts at the anchor. Allowed values here are "
-                "'anchor' (what runs) and the default 'lookahead'"
-            )
         lam = self.co2_gap_penalty
         _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
         phi = self.co2_clip_threshold

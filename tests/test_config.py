@@ -108,7 +108,6 @@ IGNORED = [
         dict(co2_sparse_bits=4, co2_comm_dtype="bfloat16"),
         "co2_sparse_bits=4 has no effect with co2_comm_dtype='bfloat16'",
     ),
-    (dict(co2_start_rule="eager", co2_overlap=False), "co2_start_rule='eager' is not allowed with co2_overlap=False"),
 ]
 
 
@@ -121,7 +120,9 @@ def test_a_setting_another_one_makes_useless_is_refused_naming_both(settings, re
         CO2Config(**sparse, co2_comm_dtype="sparse")
 
 
-def test_a_gap_penalty_that_cannot_act_is_warned_once_naming_what_stops_it(caplog):
+def test_a_setting_the_plan_leaves_without_effect_is_warned_once_naming_what_stops_it(caplog):
+    """A gap penalty where no average is stale, the eager start without overlap: trains (a recipe's
+    defaults combined with a baseline's --co2_overlap false hold them), with one WARNING each."""
     from co2_hf.core.schedule import Plan
 
     with caplog.at_level(logging.WARNING, logger="co2_hf.core.co2"):
@@ -129,10 +130,13 @@ def test_a_gap_penalty_that_cannot_act_is_warned_once_naming_what_stops_it(caplo
             Plan.resolve(CO2Config(co2_gap_penalty=0.7))  # default fragments: one per inner step
         Plan.resolve(CO2Config(co2_gap_penalty=0.7, co2_overlap=False))
         assert Plan.resolve(CO2Config(co2_gap_penalty=0.7, co2_fragments=1)).penalty == "gap_aware"
+        for _ in range(2):
+            assert Plan.resolve(CO2Config(co2_start_rule="eager", co2_overlap=False)).start_rule == "anchor"
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2, said
+    assert len(said) == 3, said
     assert "co2_gap_penalty=0.7 has no effect" in said[0] and "co2_fragments=12 (unset" in said[0]
     assert "co2_overlap=False applies every average at once" in said[1]
+    assert "co2_start_rule='eager' has no effect with co2_overlap=False" in said[2]
 
 
 def test_the_plan_is_sized_by_its_fragments_not_its_steps():

@@ -61,7 +61,17 @@ class Plan:
         stale = overlapped and config.window_steps is None
         penalized = stale and config.co2_gap_penalty > 0
         if config.co2_gap_penalty > 0 and not stale:
-            _say_penalty_inactive(config.co2_gap_penalty, _why_not_stale(config))
+            _say_once(
+                f"CO2: co2_gap_penalty={config.co2_gap_penalty} has no effect: it scales only averages applied a full "
+                "round late (co2_overlap=True, co2_fragments=1, co2_overlap_steps unset), and here "
+                f"{_why_not_stale(config)}."
+            )
+        if config.co2_start_rule == "eager" and not overlapped:
+            _say_once(
+                "CO2: co2_start_rule='eager' has no effect with co2_overlap=False: without overlap no average is in "
+                "flight when a round starts, so every round starts at the anchor (co2_start_rule='anchor'). Drop it, "
+                "or set co2_overlap=True."
+            )
         return cls(
             local_steps=config.co2_local_steps,
             fragments=config.fragments,
@@ -129,14 +139,10 @@ def _why_not_stale(config: Any) -> str:
 
 
 @functools.cache
-def _say_penalty_inactive(penalty: float, why: str) -> None:
-    """A gap penalty that cannot act: said once per setting, not at every plan resolved."""
-    logger.warning(
-        "CO2: co2_gap_penalty=%s has no effect: it scales only averages applied a full round late "
-        "(co2_overlap=True, co2_fragments=1, co2_overlap_steps unset), and here %s.",
-        penalty,
-        why,
-    )
+def _say_once(message: str) -> None:
+    """A setting the plan leaves without effect: said once per process, not at every plan resolved (a
+    recipe's defaults combined with another method's flags may hold one; refusing would break them)."""
+    logger.warning(message)
 
 
 def fit_default_fragments(config: Any, shard_numel: int) -> Any:
