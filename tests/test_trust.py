@@ -104,17 +104,18 @@ def test_a_malformed_manifest_is_a_value_error_naming_the_problem(tmp_path, case
 
 def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
     """A symbolic link (to /dev/zero: resume would hash forever), a file outside, a file added after
-    the save: each refused naming it, before anything is hashed or loaded."""
-    for target, message in (("/dev/zero", "a.bin is a link to /dev/zero"), ("outside", "a.bin is a link to")):
-        folder = published(str(tmp_path / f"ckpt_{target.strip('/').replace('/', '_')}"), {"a.bin": b"abc"})
+    the save: each refused naming it, before anything is hashed or loaded. (A name torch.load reads, such
+    as a.bin, must also be a torch.save zip: test_only_torch_save_zips_that_cannot_expand_are_loaded.)"""
+    for target, message in (("/dev/zero", "a.dat is a link to /dev/zero"), ("outside", "a.dat is a link to")):
+        folder = published(str(tmp_path / f"ckpt_{target.strip('/').replace('/', '_')}"), {"a.dat": b"abc"})
         outside = str(tmp_path / "outside")
         with open(outside, "wb") as f:
             f.write(b"abc")
-        os.remove(os.path.join(folder, "a.bin"))
-        os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.bin"))
+        os.remove(os.path.join(folder, "a.dat"))
+        os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.dat"))
         with pytest.raises(ValueError, match=message):
             checkpoint.read_rank_state(folder, 0, 1)
-    folder = published(str(tmp_path / "added"), {"a.bin": b"abc"})
+    folder = published(str(tmp_path / "added"), {"a.dat": b"abc"})
     with open(os.path.join(folder, "optimizer.pt"), "wb") as f:
         f.write(b"planted")
     with pytest.raises(ValueError, match=r"has files its co2_manifest.json does not list \(optimizer.pt\)"):

@@ -356,14 +356,14 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
 
 def _refuse_custom_objects(accelerator: Any, what: str) -> None:
     """Objects registered with ``accelerator.register_for_checkpointing`` are saved by Accelerate as
-    pickles and loaded back with ``weights_only=False``: a checkpoint from elsewhere would run code."""
+    pickles and loaded back with ``weights_only`` off: a checkpoint from elsewhere would run code."""
     objects = list(getattr(accelerator, "_custom_objects", []))
     if objects:
         names = ", ".join(type(obj).__name__ for obj in objects)
         raise ValueError(
             f"{what}: {len(objects)} object(s) are registered with accelerator.register_for_checkpointing "
             f"({names}), and CO2Accelerate neither saves nor loads them: Accelerate loads them back with a full "
-            "pickle (weights_only=False), so a checkpoint from elsewhere could run code in load_state. Do not "
+            "pickle (weights_only off), so a checkpoint from elsewhere could run code in load_state. Do not "
             "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
             "read back with torch.load(..., weights_only=True))"
         )

@@ -1,14 +1,14 @@
 """Bounded loads: what ``torch.load`` may read from a checkpoint file, checked before it reads it.
 
 The manifest (``publish.py``) fixes each file's size on disk, but a file's size says nothing of what
-it expands to: a 2 MB ``optimizer.pt`` whose zip entry is deflate-compressed inflated to 2 GiB (each
-rank peaked at 2.6 GB, 37 s, before a ValueError), and a 98 KB ``co2_rank1.pt`` whose ``data.pkl``
-inflated to 100 MB of pickle opcodes kept `checkpoint.check_complete` busy for 123 s and 1.1 GB while
-the other ranks waited. ``torch.save`` writes a zip of *stored* (uncompressed) entries, so what it
-wrote never expands: `check_torch_file` refuses, from the zip's central directory alone (nothing is
-inflated or unpickled), any file ``torch.load`` would read that is not such a zip, whose entries are
-compressed, whose entries add up to more than the file holds (overlapping entries: the same bytes
-loaded many times over), or whose pickle is larger than its entries need (`PICKLE_BASE_BYTES`,
+it expands to (issue 42: a 2 MB ``optimizer.pt`` whose zip entry is deflate-compressed inflated to 2
+GiB on each rank, and a 98 KB ``co2_rank1.pt`` whose ``data.pkl`` inflated to 100 MB of pickle
+opcodes kept `checkpoint.check_complete` busy for 123 s and 1.1 GB while the other ranks waited).
+``torch.save`` writes a zip of *stored* (uncompressed) entries, so what it wrote never expands:
+`check_torch_file` refuses, from the zip's central directory alone (nothing is inflated or
+unpickled), any file ``torch.load`` would read that is not such a zip, whose entries are compressed,
+whose entries add up to more than the file holds (overlapping entries: the same bytes loaded many
+times over), or whose pickle is larger than its entries need (`PICKLE_BASE_BYTES`,
 `PICKLE_BYTES_PER_ENTRY`).
 
 Every file CO2, the Trainer or Accelerate loads with ``torch.load`` goes through it before anything

@@ -130,32 +130,37 @@ def writing(final_dir: str, staging: str) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError) as error:
-        if not _disk_full(error, staging):
+        free = _free_bytes(staging)
+        if not (_no_space(error) or (free is not None and free < FULL_BYTES)):
             raise
         raise OSError(
             errno.ENOSPC,
-            f"CO2 could not save {final_dir}: the disk that holds it is full ({shutil.disk_usage(staging).free} bytes "
-            f"free; {type(error).__name__}: {first_line(error)}). Nothing was published: the previous checkpoints "
-            f"are untouched, and the partial save in {os.path.dirname(staging)} is removed by this run's next save "
-            "(or delete it). Free some space (save_total_limit keeps fewer checkpoints), or save elsewhere",
+            f"CO2 could not save {final_dir}: the disk that holds it is full ({free} bytes free; "
+            f"{type(error).__name__}: {first_line(error)}). Nothing was published: the previous checkpoints "
+            f"are untouched; the partial save is in {os.path.dirname(staging)} (delete it, or let a later save of "
+            "this run clear it). Free some space (save_total_limit keeps fewer checkpoints), or save elsewhere",
         ) from error
 
 
 FULL_BYTES = 1 << 20  # free space below which a failed write is taken for a full disk
 
 
-def _disk_full(error: BaseException, staging: str) -> bool:
-    """A write failed because the disk is full: ``ENOSPC``/``EDQUOT`` anywhere in the exception's chain,
-    or (``torch.save`` reports no errno) less than `FULL_BYTES` left on the staging folder's disk."""
-    chain = error
+def _no_space(error: BaseException) -> bool:
+    """``ENOSPC`` or ``EDQUOT`` anywhere in the exception's chain (``torch.save`` reports no errno: a
+    full disk is then told by the free space left, `FULL_BYTES`)."""
+    chain: BaseException | None = error
     while chain is not None:
         if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         chain = chain.__cause__ or chain.__context__
+    return False
+
+
+def _free_bytes(folder: str) -> int | None:
     try:
-        return shutil.disk_usage(staging).free < FULL_BYTES
+        return shutil.disk_usage(folder).free
     except OSError:
-        return False
+        return None
 
 
 def first_line(error: BaseException) -> str:
