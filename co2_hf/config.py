@@ -28,6 +28,23 @@ MAX_BF16_WORKERS = 256
 # co2_timeout_s becomes process-group timeouts (datetime.timedelta, milliseconds in c10d) and thread
 # waits (threading.TIMEOUT_MAX): a year is far inside all of them and longer than any real wait.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
+# ... and at least a second: c10d truncates a wait's timedelta to whole milliseconds (pybind11's
+# duration_cast), and 0 ms is its "no timeout", so 0.0001 s waited for the group's timeout instead;
+# ddp_timeout follows it in whole seconds, and an all-reduce across machines takes longer anyway.
+MIN_TIMEOUT_S = 1.0
+# Rounds of at most this many inner steps. The default co2_fragments is one fragment per inner step,
+# each with its own all-reduce and state, and the engine's start-up grows faster than linearly with
+# their number (7 s for 10,000 on a 1M-parameter model here); a longer round would mix the workers
+# a handful of times in a whole run. Published local-SGD runs use tens to a few thousand steps.
+MAX_LOCAL_STEPS = 10_000
+# Settings read by the sparse wire only, with their defaults: another value with another wire would
+# be accepted and have no effect.
+SPARSE_ONLY = {
+    "co2_sparse_density": 1 / 64,
+    "co2_sparse_bits": 2,
+    "co2_sparse_keep_unsent": False,
+    "co2_sparse_feedback_decay": 1.0,
+}
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -44,7 +61,9 @@ class CO2Config:
     co2_enabled: bool = _knob(
         True, "Train with CO2. False: plain data parallel through the same script (the baseline)."
     )
-    co2_local_steps: int = _knob(12, "tau: inner optimizer steps per round, between two outer all-reduces (>= 1).")
+    co2_local_steps: int = _knob(
+        12, f"tau: inner optimizer steps per round, between two outer all-reduces (1 to {MAX_LOCAL_STEPS})."
+    )
     co2_outer_lr: float = _knob(1.0, "alpha: outer learning rate applied to the outer momentum (> 0).")
     co2_outer_momentum: float = _knob(0.2, "beta: outer momentum coefficient (0 <= beta < 1).")
     co2_nesterov: bool = _knob(False, "Use the Nesterov form of the outer momentum.")
@@ -106,15 +125,16 @@ class CO2Config:
         "send more scales).",
     )
     co2_sparse_density: float = _knob(
-        1 / 64,
+        SPARSE_ONLY["co2_sparse_density"],
         "With co2_comm_dtype='sparse': the fraction of each block's values sent, in (0, 1]: "
         "round(density * co2_quant_block) values per block (at least 1), its largest magnitudes.",
     )
     co2_sparse_bits: int = _knob(
-        2, "With co2_comm_dtype='sparse': bits per sent value, 2 or 4 (one float32 scale per block)."
+        SPARSE_ONLY["co2_sparse_bits"],
+        "With co2_comm_dtype='sparse': bits per sent value, 2 or 4 (one float32 scale per block).",
     )
     co2_sparse_keep_unsent: bool = _knob(
-        False,
+        SPARSE_ONLY["co2_sparse_keep_unsent"],
         "With co2_comm_dtype='sparse': each worker's model keeps its own progress that top-k has not "
         "sent yet (its error-feedback residual) instead of returning to the anchor's values until it "
         "is sent. The average is the same rule; the workers train faster but the anchor (the model "
@@ -122,7 +142,7 @@ class CO2Config:
         "(docs/algorithm.md, section 18).",
     )
     co2_sparse_feedback_decay: float = _knob(
-        1.0,
+        SPARSE_ONLY["co2_sparse_feedback_decay"],
         "With co2_comm_dtype='sparse': in (0, 1], what the error-feedback residual (the values not "
         "yet sent) is multiplied by before each round's outer gradient joins it: 1 sends all of it "
         "eventually; below 1 old leftovers fade (SparseLoCo uses 0.95).",
@@ -150,7 +170,7 @@ class CO2Config:
         "Consecutive rounds in which no worker is finite before training stops with an error (0: never stop).",
     )
     co2_timeout_s: float = _knob(
-        900.0, "Seconds to wait for an outer all-reduce before failing with a clear error (> 0)."
+        900.0, f"Seconds to wait for an outer all-reduce before failing with a clear error (>= {MIN_TIMEOUT_S:g})."
     )
 
     def __post_init__(self) -> None:
@@ -166,6 +186,13 @@ class CO2Config:
         for name in ("co2_enabled", "co2_nesterov", "co2_overlap", "co2_sparse_keep_unsent"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
         _check_int(self, "co2_local_steps", minimum=1)
+        _check(
+            "co2_local_steps",
+            self.co2_local_steps,
+            self.co2_local_steps <= MAX_LOCAL_STEPS,
+            f"an integer in [1, {MAX_LOCAL_STEPS}] (a longer round would average the workers only a few times "
+            "in a run, and its default co2_fragments, one per inner step, would make the start-up slow)",
+        )
         _check_int(self, "co2_sync_warmup_steps", minimum=0)
         _check_int(self, "co2_worker_size", minimum=1)
         _check_int(self, "co2_max_skipped_rounds", minimum=0)
@@ -177,10 +204,10 @@ class CO2Config:
         _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
         gamma = self.co2_eager_weight
         _check("co2_eager_weight", gamma, _is_real(gamma) and 0 <= gamma <= 1, "a number in [0, 1]")
-        if gamma != 1 and self.co2_start_rule == "lookahead":
+        if gamma != 1 and self.co2_start_rule != "eager":
             raise ValueError(
-                f"co2_eager_weight={gamma} is not allowed with co2_start_rule='lookahead' (it weighs the "
-                "'eager' start only): allowed value here is 1.0"
+                f"co2_eager_weight={gamma} is not allowed with co2_start_rule={self.co2_start_rule!r} (it weighs "
+                "the 'eager' start only): allowed value here is 1.0"
             )
         lam = self.co2_gap_penalty
         _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
@@ -214,8 +241,9 @@ class CO2Config:
         _check(
             "co2_timeout_s",
             timeout,
-            _is_real(timeout) and 0 < timeout <= MAX_TIMEOUT_S,
-            f"a finite number > 0 and <= {MAX_TIMEOUT_S:.0f} (one year)",
+            _is_real(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
+            f"a finite number of seconds >= {MIN_TIMEOUT_S:g} and <= {MAX_TIMEOUT_S:.0f} (one year); gloo and "
+            "NCCL count timeouts in whole milliseconds, where 0 means none",
         )
         for name, allowed in (
             ("co2_start_rule", START_RULES),
@@ -243,6 +271,14 @@ class CO2Config:
         _check("co2_sparse_bits", bits, bits in SPARSE_BITS and not isinstance(bits, bool), "2 or 4")
         decay = self.co2_sparse_feedback_decay
         _check("co2_sparse_feedback_decay", decay, _is_real(decay) and 0 < decay <= 1, "a number in (0, 1]")
+        if not self.sparse_wire:
+            for name, default in SPARSE_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} has no effect with co2_comm_dtype={self.co2_comm_dtype!r}: "
+                        f"only co2_comm_dtype='sparse' reads it. Drop it (allowed value here is {default!r}), or set "
+                        "co2_comm_dtype='sparse'"
+                    )
         block = self.co2_quant_block
         if self.co2_comm_dtype == "sparse" and block > MAX_SPARSE_BLOCK:
             raise ValueError(

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from co2_hf.integrations.publish import staged_parts
 from co2_hf.testing import HF_PRELOAD, run_with_faults
 
 SAVE_PHASES = ("rank_file", "publish", "rename")  # where a kill inside a save lands
@@ -211,8 +212,8 @@ def _cycle(out: str, config: dict, fault: dict) -> dict:
         "survivor_stopped_after_s": round(outcome["result"]["at"] - struck["at"], 2),
         "survivor_error": outcome["result"]["error"].splitlines()[0][:200],
         "visible_checkpoints": [os.path.basename(p) for p in visible],
-        # each save stages in its own <name>.<token>: the names, without the token
-        "staged_leftovers": sorted(e.rpartition(".")[0] for e in os.listdir(os.path.join(out, "_co2_staging")))
+        # each save stages in its own <name>.<run>.<token>: the names, without the run and token
+        "staged_leftovers": sorted(staged_parts(e)[0] for e in os.listdir(os.path.join(out, "_co2_staging")))
         if os.path.isdir(os.path.join(out, "_co2_staging"))
         else [],
         "wall_s": round(time.time() - start, 1),

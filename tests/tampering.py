@@ -4,8 +4,10 @@ that runs code when unpickled, and a manifest rewritten to match a changed folde
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import zipfile
 
 from co2_hf.integrations import publish
 
@@ -42,3 +44,39 @@ def rehash(folder: str):
         return manifest
 
     return change
+
+
+def deflated(path: str, *, inflate_to: int = 0) -> None:
+    """Rewrite a torch.save file with its entries deflate-compressed, and (``inflate_to``) its pickle
+    padded with that many bytes of zeros, which deflate to almost nothing: a zip bomb."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries:
+            with archive.open(name, "w", force_zip64=True) as f:
+                f.write(data)
+                for _ in range(inflate_to >> 20 if name.endswith("data.pkl") else 0):
+                    f.write(bytes(1 << 20))
+
+
+def pickle_bomb(path: str, size: int) -> None:
+    """A stored (uncompressed) torch zip whose pickle is ``size`` bytes of opcodes, each building an
+    object: cheap to store, slow and large to unpickle."""
+    body = b"\x80\x02(" + b"]" * (size - 5) + b"l."  # MARK, many EMPTY_LIST, LIST, STOP
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("bomb/data.pkl", body)
+        archive.writestr("bomb/byteorder", "little")
+        archive.writestr("bomb/version", "3\n")
+
+
+def overlapping(path: str, *, copies: int) -> None:
+    """Make the largest entry of a zip appear ``copies`` times: the central directory gets records under
+    new names that point at the same bytes (a loader would read them again and again)."""
+    with zipfile.ZipFile(path, "a") as archive:
+        largest = max(archive.infolist(), key=lambda info: info.file_size)
+        for i in range(1, copies):
+            alias = copy.copy(largest)
+            alias.filename = alias.orig_filename = f"{largest.filename}_{i}"
+            archive.filelist.append(alias)
+            archive.NameToInfo[alias.filename] = alias
+        archive._didModify = True  # rewrite the central directory on close, the aliases in it

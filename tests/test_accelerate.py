@@ -118,6 +118,8 @@ class _OneProcess:
     def __init__(self):
         from accelerate.utils import DistributedType
 
+        self._custom_objects = []
+
         self.distributed_type = DistributedType.NO
         self.hooks = []
 
@@ -133,7 +135,7 @@ class _OneProcess:
     register_load_state_pre_hook = register_save_state_pre_hook
 
     def register_for_checkpointing(self, obj):
-        pass
+        self._custom_objects.append(obj)
 
     def wait_for_everyone(self):
         pass
@@ -194,6 +196,37 @@ def test_one_process_warns_and_an_exception_skips_the_collective_finalize(tmp_pa
     assert card.data.base_model == "openai-community/gpt2" and card.data.license == "mit"
     assert card.data.pipeline_tag == "text-generation" and card.data.co2["world_size"] == 1
     assert json.loads((tmp_path / "co2_config.json").read_text())["co2_local_steps"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_objects_registered_for_checkpointing_are_refused_naming_them(tmp_path):
+    """Accelerate loads a registered object's file with weights_only=False: a payload swapped into
+    custom_checkpoint_0.pkl (its manifest rewritten to match) would run in load_state. CO2Accelerate refuses
+    such objects, whenever they were registered, before anything is saved or loaded."""
+    from trainer_workers import tiny_gpt2
+
+    from co2_hf import CO2Accelerate, CO2Config
+
+    class Counter:
+        def state_dict(self):
+            return {"n": 1}
+
+        def load_state_dict(self, state):
+            pass
+
+    accelerator, model = _OneProcess(), tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accelerator.register_for_checkpointing(Counter())
+    refusal = r"1 object\(s\) are registered with accelerator.register_for_checkpointing \(Counter\).*weights_only off"
+    with pytest.raises(ValueError, match="CO2Accelerate: " + refusal):
+        CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_local_steps=2))
+    accelerator._custom_objects.clear()
+    with CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_local_steps=2)) as co2:
+        accelerator.register_for_checkpointing(Counter())  # after construction
+        for method in ("save_state", "load_state"):
+            with pytest.raises(ValueError, match=f"CO2Accelerate.{method}: " + refusal):
+                getattr(co2, method)(str(tmp_path / "ckpt"))
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 
 import pytest
 
@@ -16,6 +18,7 @@ INVALID = [
     ("co2_local_steps", 0, "integer >= 1"),
     ("co2_local_steps", 2.5, "integer >= 1"),
     ("co2_local_steps", True, "integer >= 1"),
+    ("co2_local_steps", 10**9, "an integer in [1, 10000] (a longer round would average the workers only a few"),
     ("co2_outer_lr", 0.0, "> 0"),
     ("co2_outer_lr", float("nan"), "> 0"),
     ("co2_outer_momentum", 1.0, "[0, 1)"),
@@ -47,7 +50,12 @@ INVALID = [
     ("co2_worker_size", 0, "integer >= 1"),
     ("co2_state_device", "cuda", "'same', 'cpu'"),
     ("co2_max_skipped_rounds", -2, "integer >= 0"),
-    ("co2_timeout_s", 0, "> 0"),
+    ("co2_timeout_s", 0, "seconds >= 1"),
+    (
+        "co2_timeout_s",
+        0.0001,
+        "seconds >= 1 and <= 31536000 (one year); gloo and NCCL count timeouts in whole milliseconds",
+    ),
 ]
 
 
@@ -80,8 +88,69 @@ def test_check_world_needs_worker_size_to_divide_the_world():
 
 def test_eager_weight_belongs_to_the_eager_start_only():
     CO2Config(co2_start_rule="eager", co2_eager_weight=0.5)
-    with pytest.raises(ValueError, match=r"co2_eager_weight=0.5 is not allowed with co2_start_rule='lookahead'"):
-        CO2Config(co2_start_rule="lookahead", co2_eager_weight=0.5)
+    for rule in ("lookahead", "anchor"):
+        with pytest.raises(ValueError, match=rf"co2_eager_weight=0.5 is not allowed with co2_start_rule='{rule}'"):
+            CO2Config(co2_start_rule=rule, co2_eager_weight=0.5)
+
+
+# settings another one makes useless: (the settings, words of the refusal, naming both flags)
+IGNORED = [
+    (dict(co2_sparse_keep_unsent=True), "co2_sparse_keep_unsent=True has no effect with co2_comm_dtype='float32'"),
+    (
+        dict(co2_sparse_feedback_decay=0.95),
+        "co2_sparse_feedback_decay=0.95 has no effect with co2_comm_dtype='float32'",
+    ),
+    (
+        dict(co2_sparse_density=0.5, co2_comm_dtype="int4"),
+        "co2_sparse_density=0.5 has no effect with co2_comm_dtype='int4'",
+    ),
+    (
+        dict(co2_sparse_bits=4, co2_comm_dtype="bfloat16"),
+        "co2_sparse_bits=4 has no effect with co2_comm_dtype='bfloat16'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("settings", "refusal"), IGNORED, ids=[r[:28] for _, r in IGNORED])
+def test_a_setting_another_one_makes_useless_is_refused_naming_both(settings, refusal):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        CO2Config(**settings)
+    sparse = {k: v for k, v in settings.items() if k.startswith("co2_sparse")}
+    if sparse:  # where it has an effect it is accepted
+        CO2Config(**sparse, co2_comm_dtype="sparse")
+
+
+def test_a_setting_the_plan_leaves_without_effect_is_warned_once_naming_what_stops_it(caplog):
+    """A gap penalty where no average is stale, the eager start without overlap: trains (a recipe's
+    defaults combined with a baseline's --co2_overlap false hold them), with one WARNING each."""
+    from co2_hf.core.schedule import Plan
+
+    with caplog.at_level(logging.WARNING, logger="co2_hf.core.co2"):
+        for _ in range(3):
+            Plan.resolve(CO2Config(co2_gap_penalty=0.7))  # default fragments: one per inner step
+        Plan.resolve(CO2Config(co2_gap_penalty=0.7, co2_overlap=False))
+        assert Plan.resolve(CO2Config(co2_gap_penalty=0.7, co2_fragments=1)).penalty == "gap_aware"
+        for _ in range(2):
+            assert Plan.resolve(CO2Config(co2_start_rule="eager", co2_overlap=False)).start_rule == "anchor"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "co2_gap_penalty=0.7 has no effect" in said[0] and "co2_fragments=12 (unset" in said[0]
+    assert "co2_overlap=False applies every average at once" in said[1]
+    assert "co2_start_rule='eager' has no effect with co2_overlap=False" in said[2]
+
+
+def test_the_plan_is_sized_by_its_fragments_not_its_steps():
+    import tracemalloc
+
+    from co2_hf.core.schedule import Event, Plan
+
+    config = CO2Config(co2_local_steps=10_000, co2_fragments=1)
+    tracemalloc.start()
+    plan = Plan.resolve(config)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 32_000, peak  # a table of every step of the round took ~1 MB here, and grew with tau
+    assert plan.due(1) == () and plan.due(10_000) == ((Event.BOUNDARY, 0),)
 
 
 def test_overlap_window_needs_overlap():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tables import SLACK_S  # scheduling noise on a loaded 2-core machine
 
 pytestmark = pytest.mark.slow  # each test launches processes and runs a script end to end
 
@@ -51,3 +52,30 @@ def test_a_users_script_ends_with_no_gloo_thread_left_for_interpreter_exit(tmp_p
     result = exit_check.one_run(str(tmp_path / "run"), steps=8, wire="float32", amplify_ms=0, shim=None, timeout_s=140)
     assert result["clean"], result["tail"]
     assert result["gloo_threads_at_exit"] == [0, 0], result
+
+
+@pytest.mark.research
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gather", [False, True], ids=["in_co2s_wait", "in_a_default_group_collective"])
+def test_a_frozen_peers_survivor_exits_with_status_1_within_the_timeout(tmp_path, gather):
+    """Rank 1 freezes (SIGSTOP): rank 0 stops with an error after co2_timeout_s (CO2's own; with ``gather``
+    torch's, in a collective of the default group such as the Trainer's loss gather, CO2's all-reduce still
+    in flight) and exits with status 1 at once. It used to hang at interpreter exit, joining a gloo thread
+    blocked in CO2's all-reduce until its group's timeout (a minute later), and die of SIGABRT
+    (scripts/exit_check.py --freeze runs the CO2Trainer script so, 20 times)."""
+    from scripts import exit_check
+
+    timeout_s = 2.0
+    freeze_at = 4 if gather else 5  # gather: the survivor launches round 1's all-reduce at step 4, alone
+    result = exit_check.one_frozen_run(
+        str(tmp_path / "run"),
+        steps=0,
+        freeze_at=freeze_at,
+        co2_timeout_s=timeout_s,
+        timeout_s=30,
+        gather=gather,
+        engine=True,
+    )
+    assert result["rc"] == 1 and result["terminate_called"] == 0, result["tail"]
+    assert result["error"] == ("torch" if gather else "co2"), result["tail"]
+    assert result["exit_after_fault_s"] < timeout_s + 2 * SLACK_S, result

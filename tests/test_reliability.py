@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,8 +59,10 @@ BAD_FLAGS = [
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),
     ("co2_max_skipped_rounds", "-2", "integer >= 0"),
-    ("co2_timeout_s", "0", "a finite number > 0"),
-    ("co2_timeout_s", "inf", "a finite number > 0"),
+    ("co2_timeout_s", "0", "a finite number of seconds >= 1"),
+    ("co2_timeout_s", "0.0001", "a finite number of seconds >= 1"),
+    ("co2_timeout_s", "inf", "a finite number of seconds >= 1"),
+    ("co2_local_steps", "1000000000", "an integer in [1, 10000]"),
 ]
 
 
@@ -220,12 +224,12 @@ def test_when_no_worker_is_finite_the_update_is_skipped_then_training_stops(nan_
 @pytest.mark.timeout(30)
 def test_a_timeout_shorter_than_two_rounds_warns_once(caplog):
     model = torch.nn.Linear(4, 4)
-    comm = FakeCommunicator(delay_s=0.1)  # each outer all-reduce takes 0.1 s
-    co2 = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=0.15), communicator=comm)
+    comm = FakeCommunicator(delay_s=0.55)  # each outer all-reduce takes 0.55 s: two take more than the timeout
+    co2 = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=1.0), communicator=comm)
     with caplog.at_level(logging.WARNING, logger="co2_hf.core.co2"):
         for _ in range(6):
             co2.step()
-    warnings = [r.getMessage() for r in caplog.records if "co2_timeout_s=0.15s is shorter" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "co2_timeout_s=1s is shorter" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
     quiet = CO2(model, CO2Config(co2_local_steps=1, co2_timeout_s=60), communicator=FakeCommunicator(delay_s=0.1))
     caplog.clear()
@@ -484,7 +488,7 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
             again.train(resume_from_checkpoint=str(folder))
         assert again.state.global_step == 0 and again.co2 is None  # before CO2 or training started
     # a payload in the rank file, the manifest rewritten to match: refused before it runs
-    from tampering import Payload, rehash, rewrite_manifest
+    from tampering import Payload, deflated, rehash, rewrite_manifest
 
     hostile, marker = tmp_path / "hostile", str(tmp_path / "code_ran")
     shutil.copytree(tmp_path / "run" / "checkpoint-4", hostile)
@@ -495,5 +499,48 @@ def test_trainer_refuses_to_resume_from_a_corrupted_file_naming_it(tmp_path):
     with pytest.raises(ValueError, match="co2_rank0.pt holds something other than tensors"):
         again.train(resume_from_checkpoint=str(hostile))
     assert not os.path.exists(marker) and again.state.global_step == 0
+    # the Trainer's own optimizer.pt deflate-compressed (the form of a zip bomb), its manifest rewritten:
+    # refused before the Trainer reads it (torch.load would have inflated it)
+    bomb = tmp_path / "bomb"
+    shutil.copytree(tmp_path / "run" / "checkpoint-4", bomb)
+    deflated(str(bomb / "optimizer.pt"))
+    rewrite_manifest(str(bomb), rehash(str(bomb)))
+    with pytest.raises(ValueError, match=r"bomb: optimizer.pt holds a compressed entry \("):
+        again.train(resume_from_checkpoint=str(bomb))
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*no_such_folder: no such folder"):
         again.train(resume_from_checkpoint=str(tmp_path / "no_such_folder"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_full_disk_during_a_save_says_so_naming_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real full disk: output_dir on a 1.7 MB tmpfs (in a user and mount namespace of its own), where
+    checkpoint-2 (1.15 MB) fits and checkpoint-4 does not. The save used to fail with torch's
+    ``[enforce fail at inline_container.cc:672] unexpected pos``."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"""
+from trainer_workers import dataset, make_args, tiny_gpt2
+from co2_hf import CO2Trainer
+from co2_hf.integrations import checkpoint
+args = make_args({str(disk)!r}, max_steps=4, save_strategy="steps", save_steps=2)
+try:
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64)).train()
+except OSError as error:
+    print("REFUSED:", error)
+checkpoint.check_shared({str(disk / "checkpoint-2")!r})
+print("PREVIOUS:", sorted(p for p in __import__("os").listdir({str(disk)!r}) if p.startswith("checkpoint")))
+"""
+    mount = 'mount -t tmpfs -o size=1700k none "$0" && exec "$1" -c "$2"'
+    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(disk), sys.executable, script]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=os.path.dirname(__file__))
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if "mount" in done.stderr and "REFUSED" not in done.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr[-300:]}")
+    refused = [line for line in done.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert refused, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"CO2 could not save {disk / 'checkpoint-4'}: the disk that holds it is full" in refused[0]
+    assert "Nothing was published: the previous checkpoints are untouched" in refused[0]
+    assert "PREVIOUS: ['checkpoint-2']" in done.stdout, done.stdout[-2000:]

@@ -8,32 +8,37 @@ test_accelerate.py and test_trainer.py."""
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import logging
 import os
+import time
 
 import pytest
 import torch
-from tampering import Payload, rehash, rewrite_manifest
+from tampering import Payload, deflated, overlapping, pickle_bomb, rehash, rewrite_manifest
 from workers import TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2Config, CO2TrainingArguments
 from co2_hf.core import CO2
-from co2_hf.integrations import checkpoint, publish
+from co2_hf.integrations import bounded, checkpoint, publish
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None = None) -> str:
+RUN = "a" * 16  # the run the tests' saves belong to
+
+
+def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None = None, run: str = RUN) -> str:
     """A folder published through the real save path (one process): ``files`` and a rank file."""
-    staging = publish.begin_save(folder, rank=0, leader=0)
+    staging = publish.begin_save(folder, rank=0, leader=0, run=run)
     for name, data in files.items():
         with open(os.path.join(staging, name), "wb") as f:
             f.write(data)
     state = rank_state or {"co2": {}, "model": {}, "optimizer": None, "scaler": None}
     torch.save(state, checkpoint.rank_file(staging, 0))
-    publish.publish(staging, folder, rank=0, leader=0, world_size=1, step=4, own="co2_rank0.pt")
+    publish.publish(staging, folder, rank=0, leader=0, world_size=1, step=4, own="co2_rank0.pt", run=run)
     return folder
 
 
@@ -99,17 +104,18 @@ def test_a_malformed_manifest_is_a_value_error_naming_the_problem(tmp_path, case
 
 def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
     """A symbolic link (to /dev/zero: resume would hash forever), a file outside, a file added after
-    the save: each refused naming it, before anything is hashed or loaded."""
-    for target, message in (("/dev/zero", "a.bin is a link to /dev/zero"), ("outside", "a.bin is a link to")):
-        folder = published(str(tmp_path / f"ckpt_{target.strip('/').replace('/', '_')}"), {"a.bin": b"abc"})
+    the save: each refused naming it, before anything is hashed or loaded. (A name torch.load reads, such
+    as a.bin, must also be a torch.save zip: test_only_torch_save_zips_that_cannot_expand_are_loaded.)"""
+    for target, message in (("/dev/zero", "a.dat is a link to /dev/zero"), ("outside", "a.dat is a link to")):
+        folder = published(str(tmp_path / f"ckpt_{target.strip('/').replace('/', '_')}"), {"a.dat": b"abc"})
         outside = str(tmp_path / "outside")
         with open(outside, "wb") as f:
             f.write(b"abc")
-        os.remove(os.path.join(folder, "a.bin"))
-        os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.bin"))
+        os.remove(os.path.join(folder, "a.dat"))
+        os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.dat"))
         with pytest.raises(ValueError, match=message):
             checkpoint.read_rank_state(folder, 0, 1)
-    folder = published(str(tmp_path / "added"), {"a.bin": b"abc"})
+    folder = published(str(tmp_path / "added"), {"a.dat": b"abc"})
     with open(os.path.join(folder, "optimizer.pt"), "wb") as f:
         f.write(b"planted")
     with pytest.raises(ValueError, match=r"has files its co2_manifest.json does not list \(optimizer.pt\)"):
@@ -142,6 +148,62 @@ def test_the_world_file_is_validated_after_the_manifest(tmp_path):
         checkpoint.check_shared(broken)
 
 
+# ---------------------------------------------------------------------- bounded loads
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch):
+    """``torch.load`` fails the test: a refusal must come before anything is inflated or unpickled."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("torch.load was reached")
+
+    monkeypatch.setattr(torch, "load", reached)
+
+
+def test_a_zip_bomb_in_a_shared_file_is_refused_before_anything_is_inflated(tmp_path, no_torch_load):
+    folder = published(str(tmp_path / "ckpt"), {"optimizer.pt": _torch_bytes({"state": {}, "param_groups": []})})
+    optimizer = os.path.join(folder, "optimizer.pt")
+    deflated(optimizer, inflate_to=256 << 20)  # 256 MiB of zeros after its pickle, deflated to 0.25 MB
+    rewrite_manifest(folder, rehash(folder))
+    assert os.path.getsize(optimizer) < 1 << 20
+    start = time.perf_counter()
+    expands = r"optimizer.pt holds a compressed entry \(archive/data.pkl: \d+ bytes that would expand to 2684"
+    with pytest.raises(ValueError, match=expands):
+        checkpoint.check_shared(folder)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_pickle_larger_than_its_entries_need_is_refused_before_it_is_read(tmp_path, no_torch_load):
+    folder = published(str(tmp_path / "ckpt"), {"model.safetensors": b"w"})
+    pickle_bomb(checkpoint.rank_file(folder, 0), 3 << 20)  # stored: its size is what the manifest says
+    rewrite_manifest(folder, rehash(folder))
+    start = time.perf_counter()
+    larger = r"co2_rank0.pt's pickle \(bomb/data.pkl\) is 3145728 bytes, more than the 1051648 the structure of 3"
+    with pytest.raises(ValueError, match=larger):
+        checkpoint.check_complete(folder, 0, 1)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_only_torch_save_zips_that_cannot_expand_are_loaded(tmp_path):
+    real = tmp_path / "real.pt"
+    real.write_bytes(_torch_bytes({"w": torch.ones(1000), "step": 4}))
+    bounded.check_torch_file(str(real), where="here")  # what torch.save writes passes
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="here: legacy.pt is not a zip of torch.save"):
+        bounded.check_torch_file(str(legacy), where="here")
+    overlapping(str(real), copies=3)  # one tensor's bytes listed as three entries
+    with pytest.raises(ValueError, match=r"here: real.pt's entries add up to \d+ bytes but the file holds"):
+        bounded.check_torch_file(str(real), where="here")
+
+
+def _torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 # ---------------------------------------------------------------------- item 3: saves never delete
 
 
@@ -161,12 +223,15 @@ def test_a_save_never_replaces_a_folder_holding_files_co2_did_not_write(tmp_path
     assert (tmp_path / "ckpt" / "a.bin").read_bytes() == b"new"
 
 
-def test_staging_is_unique_per_save_and_leaves_other_runs_alone(tmp_path):
-    other = tmp_path / publish.STAGING_DIR / f"sibling.{'0' * 16}" / "sibling"
+def test_staging_is_unique_per_save_and_run_and_clears_only_this_runs_killed_saves(tmp_path):
+    area = tmp_path / publish.STAGING_DIR
+    other = area / f"ckpt.{'b' * 16}.{'0' * 16}" / "ckpt"
     other.mkdir(parents=True)
-    (other / "half_written.bin").write_bytes(b"x")  # another run's save in progress, beside ours
-    killed = tmp_path / publish.STAGING_DIR / f"ckpt.{'1' * 16}" / "ckpt"
-    killed.mkdir(parents=True)  # a killed save of this very folder: ours to clear
+    (other / "half_written.bin").write_bytes(b"x")  # another run's save of the same folder, in progress
+    older = area / f"ckpt.{'2' * 16}" / "ckpt"  # staged by a co2_hf that did not record runs: not ours
+    older.mkdir(parents=True)
+    killed = area / f"ckpt.{RUN}.{'1' * 16}" / "ckpt"
+    killed.mkdir(parents=True)  # a killed save of this run: ours to clear
     seen = []
     original = publish.publish
 
@@ -180,8 +245,45 @@ def test_staging_is_unique_per_save_and_leaves_other_runs_alone(tmp_path):
         published(str(tmp_path / "ckpt"), {"a.bin": b"b"})
     finally:
         publish.publish = original
-    assert len(set(seen)) == 2 and all(os.path.basename(os.path.dirname(s)).startswith("ckpt.") for s in seen)
-    assert (other / "half_written.bin").exists() and not killed.exists()
+    assert len(set(seen)) == 2 and all(os.path.basename(os.path.dirname(s)).startswith(f"ckpt.{RUN}.") for s in seen)
+    assert (other / "half_written.bin").exists() and older.exists() and not killed.exists()
+
+
+def test_a_run_never_publishes_over_another_runs_checkpoint_and_names_both(tmp_path):
+    """Run A stages checkpoint-8 while run B, in the same folder, saves checkpoint-4 (which A published):
+    B is refused naming both runs, and neither B's start of a save nor its refusal touches A's work."""
+    run_a, run_b = "a" * 16, "b" * 16
+    ckpt4 = published(str(tmp_path / "checkpoint-4"), {"a.bin": b"A"}, run=run_a)
+    staging_a = publish.begin_save(
+        str(tmp_path / "checkpoint-8"), rank=0, leader=0, run=run_a, leftovers="checkpoint-*"
+    )
+    with open(os.path.join(staging_a, "a.bin"), "wb") as f:
+        f.write(b"A, half written")
+    refusal = rf"checkpoint-4: it is a checkpoint of another run \(run {run_a}, step 4\), and this is run {run_b}"
+    with pytest.raises(ValueError, match=refusal):
+        publish.begin_save(ckpt4, rank=0, leader=0, run=run_b, leftovers="checkpoint-*")
+    staging_b = publish.begin_save(
+        str(tmp_path / "checkpoint-12"), rank=0, leader=0, run=run_b, leftovers="checkpoint-*"
+    )
+    assert os.path.isdir(staging_a) and (tmp_path / "checkpoint-4" / "a.bin").read_bytes() == b"A"
+    published(ckpt4, {"a.bin": b"A again"}, run=run_a)  # a re-save of the same run replaces it
+    # B published checkpoint-8 while A was staging it: A's rename is refused in turn
+    torch.save({"co2": {}, "model": {}, "optimizer": None, "scaler": None}, checkpoint.rank_file(staging_b, 0))
+    publish.publish(
+        staging_b,
+        str(tmp_path / "checkpoint-8"),
+        rank=0,
+        leader=0,
+        world_size=1,
+        step=8,
+        own="co2_rank0.pt",
+        run=run_b,
+    )
+    with pytest.raises(RuntimeError, match=rf"another run \(run {run_b}, step 8\), and this is run {run_a}"):
+        publish.publish(
+            staging_a, str(tmp_path / "checkpoint-8"), rank=0, leader=0, world_size=1, step=8, own="x", run=run_a
+        )
+    assert publish.read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_b
 
 
 def test_a_save_that_cannot_stage_says_why(tmp_path, monkeypatch):
@@ -190,12 +292,12 @@ def test_a_save_that_cannot_stage_says_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(publish.os, "makedirs", read_only)
     with pytest.raises(ValueError, match=r"CO2 cannot save .*ckpt: it writes a checkpoint into .*_co2_staging.*Make"):
-        publish.begin_save(str(tmp_path / "ckpt"), rank=0, leader=0)
+        publish.begin_save(str(tmp_path / "ckpt"), rank=0, leader=0, run=RUN)
     monkeypatch.undo()
     (tmp_path / "mounted").mkdir()
     monkeypatch.setattr(publish.os.path, "ismount", lambda path: str(path).endswith("mounted"))
     with pytest.raises(ValueError, match="is a mount point"):
-        publish.begin_save(str(tmp_path / "mounted"), rank=0, leader=0)
+        publish.begin_save(str(tmp_path / "mounted"), rank=0, leader=0, run=RUN)
 
 
 # ---------------------------------------------------------------------- item 5: durable before visible
@@ -316,3 +418,39 @@ def test_metrics_mean_the_same_at_any_logging_interval(every):
         assert metrics["co2/penalty_mean"] == 1.0
         assert metrics["co2/comm_s"] == pytest.approx(12 * delay, rel=1e-3)
         assert metrics["co2/comm_wait_s"] >= 0.0  # real sleeps: their length depends on the machine's load
+
+
+def test_two_trainer_runs_sharing_an_output_dir_leave_each_others_checkpoints_alone(tmp_path):
+    """Run B starts and saves (checkpoint-2, then -4) while run A is in the middle of its save of
+    checkpoint-8, into the same output_dir: B's save used to clear A's staged checkpoint-8 (A then
+    died: "was not published by rank 0: No such file or directory") and replace A's checkpoint-4. Now
+    B leaves A's save alone and is refused at checkpoint-4 naming both runs, and A finishes; a resume
+    of A continues run A, and may save over its checkpoints."""
+    from trainer_workers import dataset, make_args, tiny_gpt2
+
+    from co2_hf import CO2Trainer
+
+    def run(steps: int, every: int) -> CO2Trainer:
+        args = make_args(str(tmp_path), max_steps=steps, save_strategy="steps", save_steps=every)
+        return CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64))
+
+    a, b, refused = run(8, every=4), run(4, every=2), []
+    save_rank_file = a._save_rank_file
+
+    def b_saves_meanwhile(staging: str) -> None:
+        if a.state.global_step == 8:
+            with pytest.raises(ValueError) as info:
+                b.train()
+            refused.append(str(info.value))
+        save_rank_file(staging)
+
+    a._save_rank_file = b_saves_meanwhile
+    a.train()  # publishes checkpoint-8 although B saved in the middle of it
+    run_a = publish.read_manifest(str(tmp_path / "checkpoint-4"))["run"]
+    assert publish.read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_a
+    assert refused and f"checkpoint-4: it is a checkpoint of another run (run {run_a}, step 4)" in refused[0]
+    assert f"and this is run {b._co2_run}" in refused[0] and b._co2_run != run_a
+    assert publish.read_manifest(str(tmp_path / "checkpoint-2"))["run"] == b._co2_run
+    resumed = run(8, every=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # saves checkpoint-8 again
+    assert resumed._co2_run == run_a and not (tmp_path / publish.STAGING_DIR).exists()

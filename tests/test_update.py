@@ -212,7 +212,7 @@ def test_nesterov_clip_bounds_momentum_not_the_gradient_term():
         (dict(co2_start_rule="eager"), "EagerStart"),
         (dict(), "LookaheadStart"),  # the default
         (dict(co2_start_rule="lookahead"), "LookaheadStart"),
-        (dict(co2_start_rule="eager", co2_overlap=False), "AnchorStart"),  # no overlap: nothing to anticipate
+        (dict(co2_overlap=False), "AnchorStart"),  # the default lookahead, no overlap: nothing to anticipate
     ],
 )
 def test_the_start_rule_is_picked_once_from_its_table(settings, rule):

@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -516,23 +518,56 @@ BACKGROUND_EXIT_WAIT_S = 5.0  # at exit, how long a coded all-reduce may take to
 
 @atexit.register
 def _destroy_groups_at_exit() -> None:
-    """Destroy every process group before the interpreter finalizes, when CO2 made groups of its own.
+    """Destroy every process group before the interpreter finalizes, when CO2 made groups of its own;
+    abandon them instead when the process is ending on a failure.
 
-    Why: a script that ends after ``trainer.train()`` leaves its gloo groups alive (the Trainer
+    Why destroy: a script that ends after ``trainer.train()`` leaves its gloo groups alive (the Trainer
     destroys them only in ``trainer.end()``, which few call). At interpreter exit a gloo worker
     thread that drops the last reference to a collective's tensor needs the GIL, which CPython no
     longer hands out; it ends the thread inside a C++ destructor, and the process aborts with
     ``terminate called without an active exception`` (SIGABRT, exit status 1 from the launcher)
     after training and saving succeeded. Destroying the groups here, while the interpreter is alive,
     joins those threads first (``scripts/exit_check.py`` counts clean exits). ``atexit`` runs handlers
-    last-registered first, so the user's own exit handlers still find the groups. Left alone after a
-    failed or stuck collective of CO2's (destroying a group waits for its collectives), and where the
+    last-registered first, so the user's own exit handlers still find the groups. A no-op where the
     script destroyed the groups itself.
+
+    Why abandon: after a failure (one of CO2's collectives failed or is stuck, or the script ends on
+    an uncaught exception, such as the Trainer's own timeout) a collective may still be in flight
+    towards a frozen peer. Destroying its group joins the group's worker thread, which stays blocked
+    until the group's own timeout (`group_timeout`, a minute past ``co2_timeout_s``), and then gloo
+    aborts the process from that thread (``terminate called after throwing an instance of
+    'gloo::IoException'``, SIGABRT) instead of the exit status 1 of the error.
     """
     if not _OPEN or not (dist.is_available() and dist.is_initialized()):
         return
-    if not all(comm.settled() for comm in list(_OPEN)):
+    if _exiting_on_error() or not all(comm.settled() for comm in list(_OPEN)):
+        _abandon_groups()
         return
     _WORKER_MESHES.clear()
     dist.destroy_process_group()
     gc.collect()  # the groups' last references: their threads are joined now
+
+
+def _exiting_on_error() -> bool:
+    """The interpreter is ending on an uncaught exception (it prints it, and sets ``sys.last_value``,
+    before the exit handlers run)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
+def _abandon_groups() -> None:
+    """Abort every process group and make sure none is ever destroyed, so that nothing joins a thread
+    blocked in a collective: the process then exits at once with the status of its error.
+
+    Every backend: ``abort`` is torch's teardown of a group with collectives in flight (on NCCL it
+    aborts the communicators, so that no kernel keeps waiting and the watchdog has nothing to time
+    out; on gloo it returns at once and leaves the blocked thread as it is). The groups' destructors
+    would still join their threads: each group gets a reference CPython's finalization never
+    drops, and the operating system reclaims what the groups hold when the process ends.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}))
+    for group in groups:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed: no destructor, no join
+    _WORKER_MESHES.clear()
+    with contextlib.suppress(Exception):  # best effort: the process is ending on its own error anyway
+        dist.distributed_c10d._abort_process_group()

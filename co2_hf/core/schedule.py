@@ -25,6 +25,7 @@ flight at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -59,6 +60,18 @@ class Plan:
         overlapped = config.co2_overlap
         stale = overlapped and config.window_steps is None
         penalized = stale and config.co2_gap_penalty > 0
+        if config.co2_gap_penalty > 0 and not stale:
+            _say_once(
+                f"CO2: co2_gap_penalty={config.co2_gap_penalty} has no effect: it scales only averages applied a full "
+                "round late (co2_overlap=True, co2_fragments=1, co2_overlap_steps unset), and here "
+                f"{_why_not_stale(config)}."
+            )
+        if config.co2_start_rule == "eager" and not overlapped:
+            _say_once(
+                "CO2: co2_start_rule='eager' has no effect with co2_overlap=False: without overlap no average is in "
+                "flight when a round starts, so every round starts at the anchor (co2_start_rule='anchor'). Drop it, "
+                "or set co2_overlap=True."
+            )
         return cls(
             local_steps=config.co2_local_steps,
             fragments=config.fragments,
@@ -70,13 +83,14 @@ class Plan:
         )
 
     def __post_init__(self) -> None:
+        # only the steps where something runs: at most 2F of them, whatever tau
         tau, k = self.local_steps, self.window_steps
-        table: dict[int, list[tuple[Event, int]]] = {step: [] for step in range(1, tau + 1)}
+        table: dict[int, list[tuple[Event, int]]] = {}
         for f in range(self.fragments):
             at = self.boundary_step(f)
             if k is not None:
-                table[(at + k - 1) % tau + 1].insert(0, (Event.APPLY_IN_ROUND, f))
-            table[at].append((Event.BOUNDARY, f))
+                table.setdefault((at + k - 1) % tau + 1, []).insert(0, (Event.APPLY_IN_ROUND, f))
+            table.setdefault(at, []).append((Event.BOUNDARY, f))
         object.__setattr__(self, "_due", {step: tuple(events) for step, events in table.items()})
 
     def boundary_step(self, fragment: int) -> int:
@@ -86,7 +100,7 @@ class Plan:
     def due(self, round_step: int) -> tuple[tuple[Event, int], ...]:
         """The (event, fragment index) pairs after inner step ``round_step`` (1-based) of a round,
         in the order they run."""
-        return self._due[round_step]
+        return self._due.get(round_step, ())
 
     def steps_since_boundary(self, fragment: int, round_index: int, round_step: int) -> int:
         """Inner steps a fragment has taken since its last boundary (or since the round counter
@@ -104,6 +118,31 @@ class Plan:
         """``config``'s ``co2_*`` settings as they ran: ``co2_fragments`` is the F of this plan (the
         default resolved), the rest as given."""
         return {**config.co2_dict(), "co2_fragments": self.fragments}
+
+
+def _why_not_stale(config: Any) -> str:
+    """Why no average is applied a full round late under ``config``, and what would change that."""
+    if not config.co2_overlap:
+        return "co2_overlap=False applies every average at once (no average is ever stale): drop it"
+    if config.co2_overlap_steps is not None:
+        window = config.co2_overlap_steps
+        return f"co2_overlap_steps={window} applies each average inside its round: unset co2_overlap_steps, or drop it"
+    unset = (
+        ""
+        if config.co2_fragments is not None
+        else f" (unset: one per inner step of co2_local_steps={config.co2_local_steps})"
+    )
+    return (
+        f"co2_fragments={config.fragments}{unset} applies each fragment's average inside the round: set "
+        "co2_fragments=1 for the penalty to act, or drop it"
+    )
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """A setting the plan leaves without effect: said once per process, not at every plan resolved (a
+    recipe's defaults combined with another method's flags may hold one; refusing would break them)."""
+    logger.warning(message)
 
 
 def fit_default_fragments(config: Any, shard_numel: int) -> Any:

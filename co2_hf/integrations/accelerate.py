@@ -34,7 +34,8 @@ holding other files is refused, never replaced. Loading checks the folder on eve
 anything is read (refusing a missing, truncated, corrupted or unlisted file by name), runs
 ``accelerator.load_state``, then restores this rank's own file, read with ``weights_only=True``.
 Nothing is registered with ``accelerator.register_for_checkpointing``: Accelerate unpickles those
-objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code. A plain
+objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code; an
+object the user registered is refused (at construction, ``save_state`` and ``load_state``). A plain
 ``accelerator.save_state`` inside the block writes the rank files too (no manifest); a plain
 ``accelerator.load_state`` of a folder with rank files is refused, naming ``co2.load_state``.
 
@@ -96,6 +97,7 @@ class CO2Accelerate:
 
     def _start(self, accelerator: Any, optimizer: Any) -> None:
         _check_launch(accelerator, self.config)
+        _refuse_custom_objects(accelerator, "CO2Accelerate")
         if accelerator.num_processes == 1:
             logger.warning(
                 "CO2Accelerate: one process, nobody to average with: CO2 runs as a single worker and "
@@ -106,6 +108,7 @@ class CO2Accelerate:
         inner = getattr(optimizer, "optimizer", optimizer)
         self.co2 = CO2(self.module, self.config, optimizer=inner)
         self._loading: str | None = None  # the folder `load_state` is loading, checked already
+        self._run: str | None = None  # this run's id (publish.py, "Runs"): load_state takes its folder's
         self._closed = False
         self._skipped_loads: _SkippedLoads | None = None
         # No object registered for accelerate's checkpointing: accelerate unpickles those with
@@ -201,6 +204,7 @@ class CO2Accelerate:
             self.accelerator.save_state(output_dir, **kwargs)
             return
         self._check_open("save_state", "co2.save_pretrained(folder) saves the final model")
+        _refuse_custom_objects(self.accelerator, "CO2Accelerate.save_state")
         accelerator, project = self.accelerator, self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             raise ValueError(
@@ -210,10 +214,12 @@ class CO2Accelerate:
             )
         rank = accelerator.process_index
         leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
-        staging = publish.begin_save(output_dir, rank=rank, leader=leader)
-        accelerator.save_state(staging, **kwargs)
+        self._run = run = self._run or publish.new_run_id()
+        staging = publish.begin_save(output_dir, rank=rank, leader=leader, run=run)
+        with publish.writing(output_dir, staging):  # a full disk says so, naming the folder
+            accelerator.save_state(staging, **kwargs)
         world, step, own = accelerator.num_processes, self.co2.inner_steps, checkpoint.RANK_FILE.format(rank=rank)
-        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own)
+        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
 
     def load_state(self, input_dir: str, **kwargs: Any) -> None:
         """``accelerator.load_state(input_dir)``, then this rank's own state (local parameters, inner
@@ -225,10 +231,11 @@ class CO2Accelerate:
             self.accelerator.load_state(input_dir, **kwargs)
             return
         self._check_open("load_state", "load it into a new CO2Accelerate")
+        _refuse_custom_objects(self.accelerator, "CO2Accelerate.load_state")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
         # refusing when one does; the rank file is then checked by size only
-        checkpoint.agree(self._check_loadable, input_dir, rank, world)
+        self._run = checkpoint.agree(self._check_loadable, input_dir, rank, world) or self._run
         self._loading = input_dir
         try:
             self.accelerator.load_state(input_dir, **kwargs)
@@ -243,7 +250,8 @@ class CO2Accelerate:
             saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=accelerator.scaler
         )
 
-    def _check_loadable(self, input_dir: str, rank: int, world: int) -> None:
+    def _check_loadable(self, input_dir: str, rank: int, world: int) -> str | None:
+        """Refuse what cannot be loaded; return the run that saved the folder (None: not recorded)."""
         checkpoint.check_rank_state(input_dir, rank, world, require_manifest=False)
         # Accelerate refuses a folder whose custom-object files outnumber the registered objects, but
         # only after loading the model and optimizer: say so first. co2_hf before this version saved
@@ -259,6 +267,9 @@ class CO2Accelerate:
                 "an earlier co2_hf holds one of CO2's, which this version does not load; resume it with that co2_hf "
                 "release, or start from its model (co2.save_pretrained / from_pretrained)"
             )
+        if not os.path.lexists(os.path.join(input_dir, checkpoint.MANIFEST_FILE)):
+            return None  # a plain accelerator.save_state folder
+        return publish.read_manifest(input_dir).get("run")
 
     def _check_open(self, method: str, instead: str) -> None:
         if self._closed:
@@ -341,6 +352,21 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
             "accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
+
+
+def _refuse_custom_objects(accelerator: Any, what: str) -> None:
+    """Objects registered with ``accelerator.register_for_checkpointing`` are saved by Accelerate as
+    pickles and loaded back with ``weights_only`` off: a checkpoint from elsewhere would run code."""
+    objects = list(getattr(accelerator, "_custom_objects", []))
+    if objects:
+        names = ", ".join(type(obj).__name__ for obj in objects)
+        raise ValueError(
+            f"{what}: {len(objects)} object(s) are registered with accelerator.register_for_checkpointing "
+            f"({names}), and CO2Accelerate neither saves nor loads them: Accelerate loads them back with a full "
+            "pickle (weights_only off), so a checkpoint from elsewhere could run code in load_state. Do not "
+            "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
+            "read back with torch.load(..., weights_only=True))"
+        )
 
 
 def _check_replicas(accelerator: Any) -> None:

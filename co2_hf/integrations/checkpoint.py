@@ -8,8 +8,10 @@ published whole, with a manifest of every file's size and SHA-256 (``publish.py`
 
 Loading: a rank file holds tensors, numbers, strings and containers only, and is read with
 ``torch.load(..., weights_only=True)``: a rank file from elsewhere that carries anything else (a
-pickled payload) is refused naming the file, before anything in it runs. Before it is read, its
-checkpoint's manifest is validated and the files this rank reads are verified (`check_complete`):
+pickled payload) is refused naming the file, before anything in it runs; and before ``torch.load``
+reads any file, ``bounded.py`` checks that nothing in it can expand past the file's own size. Before
+it is read, its checkpoint's manifest is validated and the files this rank reads are verified
+(`check_complete`):
 its own rank file and every shared file (the model, optimizer, scheduler, RNG, trainer state and
 ``co2_config.json``), not the other ranks' rank files, which their ranks verify; `publish.agree`
 makes every rank refuse when one does. The shared files are verified by every rank because every
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from ..config import CO2Config
 from ..core import CO2, reshard
 from ..core.schedule import Plan
-from . import publish
+from . import bounded, publish
 from .publish import MANIFEST_FILE, STAGING_DIR, agree  # noqa: F401 - part of this module's interface
 
 RANK_FILE = "co2_rank{rank}.pt"
@@ -78,20 +80,17 @@ def load_rank_file(directory: str, rank: int, *, mmap: bool = False) -> dict[str
     ``mmap``: map the tensors' bytes instead of reading them (`check_complete` checks the structure
     of the file so, at the cost of its small pickle only)."""
     path = rank_file(directory, rank)
+    bounded.check_torch_file(path, where=f"checkpoint {directory}")  # nothing it could expand to is read
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         raise ValueError(
             f"checkpoint {directory}: {os.path.basename(path)} holds something other than tensors and plain data "
-            f"(a CO2 rank file never does), so it is not loaded: nothing in it was run. {_first_line(error)}"
+            f"(a CO2 rank file never does), so it is not loaded: nothing in it was run. {publish.first_line(error)}"
         ) from None
     if not (isinstance(state, dict) and {"co2", "model", "optimizer", "scaler"} <= set(state)):
         raise ValueError(f"checkpoint {directory}: {os.path.basename(path)} is not a CO2 rank file")
     return state
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
 def check_rank_state(
@@ -107,6 +106,7 @@ def check_rank_state(
     if not found:
         raise ValueError(_no_co2_state(directory))
     _check_world_size(directory, len(found), world_size)
+    bounded.check_torch_files(directory, sorted(os.listdir(directory)))  # Accelerate's files too
     load_rank_file(directory, rank, mmap=True)
 
 
@@ -248,9 +248,11 @@ def check_shared(directory: str, *, verify: bool = True) -> dict[str, Any]:
             named = entry["file"]
             raise ValueError(f"checkpoint {directory}: its {MANIFEST_FILE} names {named!r} as rank {key}'s file")
     publish.check_files(directory, manifest)
+    rank_files = {entry["file"] for entry in manifest["ranks"].values()}
+    shared = [name for name in manifest["files"] if name not in rank_files]
     if verify:
-        rank_files = {entry["file"] for entry in manifest["ranks"].values()}
-        publish.verify_checksums(directory, manifest, [name for name in manifest["files"] if name not in rank_files])
+        publish.verify_checksums(directory, manifest, shared)
+    bounded.check_torch_files(directory, shared)  # the framework's files, before the framework loads them
     return manifest
 
 

@@ -86,6 +86,7 @@ class CO2Trainer(Trainer):
         self.co2: CO2 | None = None
         self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
         self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
+        self._co2_run: str | None = None  # this run's id (publish.py, "Runs"): a resume takes its checkpoint's
         self._warned_local_gathers = False
         torchft = self.co2_config is not None and getattr(self.args, "co2_fault_tolerance", "none") == "torchft"
         self._replica = fault_tolerance.Replica(self) if torchft else None  # this replica group, on torchft
@@ -160,20 +161,24 @@ class CO2Trainer(Trainer):
         """An incomplete, copied, corrupted, tampered-with or mismatched checkpoint is refused, saying
         why, on every rank at once (`checkpoint.agree`), before any file is read; the ranks resume from
         one step and, per disk, one manifest (`publish.agree_on_checkpoint`)."""
-        self._co2_sources, step, digest = checkpoint.agree(self._checked_sources, directory, verify=True)
+        checked = checkpoint.agree(self._checked_sources, directory, verify=True)
+        self._co2_sources, step, digest, self._co2_run = checked  # the resumed run goes on as that run
         leader = self._save_leader()
         publish.agree_on_checkpoint(directory, step=step, digest=digest, leader=leader)
         self._co2_verified = directory  # `_restore_co2` then checks sizes only: no second hashing
 
-    def _checked_sources(self, directory: str, *, verify: bool) -> tuple[list[int] | None, int | None, str]:
+    def _checked_sources(
+        self, directory: str, *, verify: bool
+    ) -> tuple[list[int] | None, int | None, str, str | None]:
         """The manifest and the shared files first (before anything in the folder is parsed), then the
         rank files this rank reads: its own, or with ``co2_elastic`` after a change of world those of the
-        old worker it takes over. Returns those (None: its own), the step and the manifest's digest."""
+        old worker it takes over. Returns those (None: its own), the step, the manifest's digest and the
+        run that saved it (None: a co2_hf that did not record runs)."""
         manifest = checkpoint.check_shared(directory, verify=verify)
         sources = self._elastic_sources(directory)
         step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
         checkpoint.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
-        return sources, step, publish.manifest_digest(directory)
+        return sources, step, publish.manifest_digest(directory), manifest.get("run")
 
     def _save_leader(self) -> int:
         """The rank that publishes this rank's checkpoint files: 0 on a shared disk, the node's local
@@ -397,7 +402,7 @@ class CO2Trainer(Trainer):
         """The Trainer's checkpoint plus every rank's ``co2_rank{r}.pt``, published as ``checkpoint-N``
         only when complete.
 
-        The Trainer writes into ``_co2_staging/checkpoint-N.<token>/checkpoint-N``, a folder of this
+        The Trainer writes into ``_co2_staging/checkpoint-N.<run>.<token>/checkpoint-N``, a folder of this
         save's own (its run folder for this call: `_get_output_dir`), with its Hub push held;
         `publish.publish` then flushes every file, writes the manifest and renames the folder. Only
         then do the Trainer's rotation and push run, on the published folder: rotation never deletes
@@ -419,14 +424,16 @@ class CO2Trainer(Trainer):
         run_dir = self._get_output_dir(trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
         leader, rank = self._save_leader(), args.process_index
+        self._co2_run = run = self._co2_run or publish.new_run_id()
         # this run's own staged checkpoints (killed saves) are cleared: nothing else in run_dir is
-        staging = publish.begin_save(final, rank=rank, leader=leader, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
-        with self._saving_into(os.path.dirname(staging)):
-            super()._save_checkpoint(model, trial)
-        self._save_rank_file(staging)
+        staging = publish.begin_save(final, rank=rank, leader=leader, run=run, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
+        with publish.writing(final, staging):  # a full disk says so, naming the folder
+            with self._saving_into(os.path.dirname(staging)):
+                super()._save_checkpoint(model, trial)
+            self._save_rank_file(staging)
         self._point_best_checkpoint_at(staging, final)
-        own, step = checkpoint.RANK_FILE.format(rank=rank), self.state.global_step
-        publish.publish(staging, final, rank=rank, leader=leader, world_size=args.world_size, step=step, own=own)
+        own, step, world = checkpoint.RANK_FILE.format(rank=rank), self.state.global_step, args.world_size
+        publish.publish(staging, final, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
         self._rotate_and_push(run_dir, final)
 
     def _save_rank_file(self, staging: str) -> None:
