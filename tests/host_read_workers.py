@@ -10,7 +10,7 @@ from workers import TinyNet, loss_on, make_optimizer
 from co2_hf import CO2, CO2Config
 from co2_hf.testing import DispatchTrace
 
-TAU, STEPS, LOG_EVERY = 4, 22, 7  # five rounds and a half; pop_metrics after every 7th step
+TAU, STEPS, LOG_EVERY = 4, 14, 7  # three rounds and a half; pop_metrics after every 7th step
 
 # Every setting whose boundary decides something: streaming and one fragment, each start rule, the
 # penalties, clipping, Nesterov, a window, no overlap, the warm-up, the wires. Coded wires and worker
