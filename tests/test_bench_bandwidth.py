@@ -158,6 +158,7 @@ def test_a_cuda_rank_binds_its_local_gpu_before_nccl_starts(tmp_path, monkeypatc
 def test_steady_state_summary_by_hand():
     run = plan.Run("co2", tau=2, rounds=4)
     rank = {"times": [9, 9, 1, 2, 1, 4, 9, 9], "waits": [0, 0.5, 1.5, 7], "comms": [0, 2, 2, 7], "load_1m": 2.0}
+    rank["engine"] = [9, 0.75, 2.0, 9]  # host seconds in co2.step() per round, its waits included
     block = plan.Block(2, 1, "100mbit", "tiny", [run], batch=3)
     line = analysis.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
     assert line["step_time_s"] == 1.5  # median of the steady steps 1, 2, 1, 4
@@ -165,6 +166,7 @@ def test_steady_state_summary_by_hand():
     assert line["exposed_comm_per_round_s"] == 1.5  # max over ranks per round: 0.5 and 2.5
     assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
     assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
+    assert line["engine_per_round_s"] == 0.5  # less the waits, max over ranks: (0.25, 0.5) and (0.5, 0)
     assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * SEQ / 2.0
     assert "link_tx_bytes_per_round" not in line  # loopback: no link counter
 
@@ -312,13 +314,13 @@ def test_each_run_is_compared_with_the_no_comm_run_of_its_own_repeat():
 
 def _cell(method: str, repeat: int, rel: float, **extra) -> dict:
     common = {"rate": "100mbit", "ranks": 2, "model": "small", "tau": 16, "load_1m": 2.1, "invocation": "i"}
-    speed = {"tokens_per_s": 1000.0 * rel, "rel_to_limit": rel, "exposed_comm_per_round_s": 0.01, "date": "2026-12-04"}
+    speed = {"tokens_per_s": 1000.0 * rel, "rel_to_limit": rel, "time_per_step_s": 1 / rel, "date": "2026-12-04"}
     return {**common, **speed, "method": method, "repeat": repeat, "wire": None, **extra}
 
 
 @pytest.mark.timeout(10)
 def test_the_comparison_gives_medians_ranges_and_ratios_within_each_repeat(tmp_path):
-    defaults = dict(wire="float32")
+    defaults = dict(wire="float32", exposed_comm_per_round_s=0.5, engine_per_round_s=0.25)
     lines = [_cell("no_comm", 0, 1.0)]
     for repeat, (co2, old, peer) in enumerate([(0.95, 0.90, 0.80), (0.90, 0.90, 0.90), (0.99, 0.85, 0.60)]):
         lines += [
@@ -329,10 +331,12 @@ def test_the_comparison_gives_medians_ranges_and_ratios_within_each_repeat(tmp_p
     rows = compare.comparison_table(lines).splitlines()
     assert len(rows) == 5  # the head, its rule, and one row per cell: no_comm left out
     assert "| CO2, the defaults (streaming, F = tau) | **0.95 (0.90-0.99)** | reference |" in rows[2]
+    # lost per round against the limit, 16 (1/rel - 1) s: waits 0.5, engine 0.25, the rest
+    assert "| reference | 0.50 / 0.25 / 0.09 |" in rows[2]  # the rest: median of 0.09, 1.03 and -0.59
     # the other checkout's engine against this one's, repeat by repeat: 0.95/0.90, 0.90/0.90, 0.99/0.85
     assert "at 1a35d5a | **0.90 (0.85-0.90)** | 1.06 (1.00-1.16) |" in rows[3]
     # the peer against the defaults of the same repeat: 0.95/0.80, 0.90/0.90, 0.99/0.60
-    assert "| torchft 0.2.0 DiLoCo | **0.80 (0.60-0.90)** | 1.19 (1.00-1.65) |" in rows[4]
+    assert "| torchft 0.2.0 DiLoCo | **0.80 (0.60-0.90)** | 1.19 (1.00-1.65) | - / - / 4.00 |" in rows[4]
     doc = tmp_path / "performance.md"
     doc.write_text(f"before\n{compare.BEGIN}\nstale\n{compare.END}\nafter\n")
     compare.write_doc(str(doc), lines, "docs/x.jsonl")

@@ -86,6 +86,7 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         exposed = statistics.median(waits)
         hidden = max(0.0, 1 - sum(waits) / sum(comms)) if sum(comms) > 0 else None
         line["comm_s"] = round(statistics.median(comms), 4)
+        line.update(_engine_work(per_rank))
     elif run.method == "ddp" and limit is not None:
         exposed = max(0.0, slowest - limit)
         hidden = min(1.0, max(0.0, 1 - exposed / alone))
@@ -100,6 +101,15 @@ def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: 
         line["limit_tokens_per_s"] = round(block.ranks * block.batch * SEQ / limit, 1)
     line["hidden_frac"] = round(hidden, 4) if hidden is not None else None
     return line
+
+
+def _engine_work(per_rank: list[dict]) -> dict:
+    """The engine's own work per round on the host: its time in ``step()`` less the waits there
+    (max over ranks per round, median over the steady rounds; on a GPU, only its launches)."""
+    if not all(r.get("engine") for r in per_rank):
+        return {}  # an older JSON, or a run without rounds
+    work = [[max(0.0, e - w) for e, w in zip(r["engine"][1:-1], r["waits"][1:-1])] for r in per_rank]
+    return {"engine_per_round_s": round(statistics.median(max(x) for x in zip(*work)), 4)}
 
 
 def _peer_settings(block: Block, run: Run) -> dict:

@@ -54,8 +54,9 @@ def skip_missing(methods: list[str]) -> list[str]:
 class Loop:
     """One method's training step around a model, as its user writes it: ``module`` is what the
     forward pass runs on; ``backward``, then ``step`` (the optimizer's step and whatever the method
-    does after it), ``record`` once the step is timed; ``close`` at the end of the run. ``waits``
-    and ``comms``: the CO2 engine's, per round (empty for the others)."""
+    does after it), ``record`` once the step is timed; ``close`` at the end of the run. ``waits``,
+    ``comms`` and ``engine`` (host seconds in its ``step()``): the CO2 engine's, per round (empty
+    for the others)."""
 
     library: str | None = None  # a peer's package, whose version the JSON line records
 
@@ -63,6 +64,7 @@ class Loop:
         self.module, self.optimizer = module, optimizer
         self.waits: list[float] = []
         self.comms: list[float] = []
+        self.engine: list[float] = []
 
     def version(self) -> str | None:
         """``library`` and its installed version (None: the CO2 engine or plain torch)."""

@@ -58,6 +58,7 @@ def train(run: Run, cfg: dict, rank: int, device: str, batch: int, ranks_per_nod
         "times": times,
         "waits": loop.waits,
         "comms": loop.comms,
+        "engine": loop.engine,
         "load_1m": os.getloadavg()[0],
         "link_tx_bytes": tx - tx_start if tx is not None else None,
         "library": loop.version(),
@@ -71,17 +72,22 @@ class CO2Loop(Loop):
         super().__init__(model, optimizer)
         self.co2 = package.CO2(model, package.CO2Config(**settings), optimizer=optimizer)
         self._round_ended = False
+        self._in_step = 0.0  # host seconds in co2.step() since the round started
 
     def step(self) -> None:
         self.co2.average_gradients()  # inside a worker of several ranks (co2_node); else nothing
         self.optimizer.step()
+        start = time.perf_counter()
         # a round ended (with fragments: the last fragment's boundary): its waits, summed over fragments
         self._round_ended = self.co2.step() and self.co2.round_step == 0
+        self._in_step += time.perf_counter() - start
 
     def record(self) -> None:
         if self._round_ended:  # read after the step's time was taken (on a GPU the read may wait)
             self.waits.append(self.co2.last_wait_s)
             self.comms.append(self.co2.last_comm_s)
+            self.engine.append(self._in_step)
+            self._in_step = 0.0
 
     def close(self) -> None:
         self.co2.finalize()
