@@ -366,6 +366,7 @@ def test_bad_peer_settings_are_refused_naming_the_flag(capsys, tmp_path):
         (["--torchft-fragments", "3"], "--torchft-fragments=3 must be >= 1 and divide every --taus"),
         (["--torchft-delay", "4"], "--torchft-delay=4: allowed are 0 .. tau / --torchft-fragments - 1 = 3"),
         (["--against", str(tmp_path)], "not a checkout of this project"),
+        (["--torchft-fragments", "8"], "--torchft-fragments=8: the model has only 7 modules to cut between"),
     ):
         with pytest.raises(SystemExit):
             cli.parse_args(["--taus", "16", "--methods", "no_comm,torchft_streaming", *argv])

@@ -18,7 +18,7 @@ from .analysis import markdown_table
 from .compare import comparison_table, write_doc
 from .launch import print_dry_run, run_plan
 from .netns import check_privileges, rate_bps, remove_stale_namespaces
-from .peers import skip_missing
+from .peers import skip_missing, split_modules
 from .plan import (
     DEFAULT_BATCH,
     DEVICES,
@@ -32,7 +32,7 @@ from .plan import (
     visible_gpus,
 )
 from .plot import plot
-from .worker import worker
+from .worker import build_model, worker
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -136,6 +136,12 @@ def _check_torchft(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     window = min(args.taus) // fragments
     if delay is not None and not 0 <= delay < window:
         parser.error(f"--torchft-delay={delay}: allowed are 0 .. tau / --torchft-fragments - 1 = {window - 1}")
+    for model in {args.model, *(["large"] if args.extras else [])}:
+        with torch.device("meta"):  # its modules only: nothing allocated, nothing initialised
+            try:
+                split_modules(build_model(MODELS[model], seed=0), fragments)
+            except ValueError as error:
+                parser.error(f"{error} ({model} model)")
 
 
 def _against(parser: argparse.ArgumentParser, tree: str) -> tuple[str, str]:
