@@ -225,14 +225,14 @@ def test_loopback_smoke_run(tmp_path, capsys):
     cli.main([*argv, "--out", str(out), "--plot", str(png)])
     assert capsys.readouterr().out.startswith("# plan:")  # the estimate comes first
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [x["method"] for x in lines] == ["probe", *methods]  # no_comm leads the pass
+    assert [x["method"] for x in lines] == ["probe", *methods, "no_comm"]  # no_comm runs around the pass
     for line in lines[1:]:
         assert line["tokens_per_s"] > 0 and line["rel_to_limit"] > 0 and "error" not in line
     engine = [x for x in lines if x["method"] in plan.CO2_SETTINGS]
     assert all(0 <= line["hidden_frac"] <= 1 for line in engine)
     assert engine[-1]["tau"] == 2 and engine[-1]["comm_s"] > 0
     # each peer ran through its own library, and says which
-    assert [x["library"].split()[0] for x in lines[len(lines) - len(peers) :]] == [plan.PEERS[m] for m in peers]
+    assert [x["library"].split()[0] for x in lines if x["method"] in peers] == [plan.PEERS[m] for m in peers]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -285,7 +285,8 @@ def test_repeats_interleave_the_methods_each_pass_led_by_its_own_no_comm_run(tmp
     block = _plan("--taus", "16", "--methods", "no_comm,co2_stream,torchft_diloco", "--repeats", "3")
     against = _plan("--taus", "16", "--methods", "no_comm,co2_stream", "--repeats", "2", "--against", str(tmp_path))
     order = [(r.method, r.repeat) for r in block.runs]
-    assert order == [(m, k) for k in range(3) for m in ("no_comm", "co2_stream", "torchft_diloco")]  # A B C A B C
+    passes = [(m, k) for k in range(3) for m in ("no_comm", "co2_stream", "torchft_diloco")]  # A B C A B C
+    assert order == [*passes, ("no_comm", 3)]  # and a no_comm run after the last pass
     assert all(r.tau == 16 and r.rounds == 4 for r in block.runs)  # no_comm in rounds of tau too: the same statistic
     assert [(r.method, r.code) for r in against.runs[:3]] == [
         ("no_comm", ""),
@@ -300,15 +301,18 @@ def _result(seconds_per_step: float, steps: int = 12) -> dict:
 
 
 @pytest.mark.timeout(10)
-def test_each_run_is_compared_with_the_no_comm_run_of_its_own_repeat():
+def test_each_run_is_compared_with_the_no_comm_time_interpolated_at_its_place_in_the_pass():
     runs = [plan.Run(m, 4, 3, repeat=k) for k in range(2) for m in ("no_comm", "co2", "torchft_diloco")]
+    runs.append(plan.Run("no_comm", 4, 3, repeat=2))
     block = plan.Block(2, 1, "100mbit", "tiny", runs, batch=3, options={"torchft_fragments": 1})
-    seconds = [1.0, 1.25, 2.0, 2.0, 2.0, 4.0]  # the second pass ran on a machine twice as slow
+    # the machine slows from 1.0 to 1.3 s per step over the first pass, then holds
+    seconds = [1.0, 1.1, 2.4, 1.3, 1.3, 2.6, 1.3]
     lines = analysis.block_lines(block, [{"allreduce_alone_s": 1.0}] * 2, [[_result(t)] * 2 for t in seconds])
     rel = [(x["method"], x["repeat"], x["rel_to_limit"]) for x in lines[1:]]
-    assert rel[1:3] == [("co2", 0, 0.8), ("torchft_diloco", 0, 0.5)]
-    assert rel[4:] == [("co2", 1, 1.0), ("torchft_diloco", 1, 0.5)]  # against 2.0 s, not the mean of 1.0 and 2.0
-    assert lines[3]["exposed_comm_per_round_s"] == 4.0  # a peer: its time over the limit, per round of 4 steps
+    # limits 1.1 and 1.2 a third and two thirds of the way from 1.0 to 1.3 (not 1.0: the pass's first)
+    assert rel[1:3] == [("co2", 0, 1.0), ("torchft_diloco", 0, 0.5)]
+    assert rel[4:6] == [("co2", 1, 1.0), ("torchft_diloco", 1, 0.5)]
+    assert lines[3]["exposed_comm_per_round_s"] == 4.8  # a peer: its time over the limit, per round of 4 steps
     assert lines[3]["tau"] == 4 and lines[1]["tau"] is None  # a peer's tau is its sync period
 
 
@@ -357,7 +361,7 @@ def test_a_peer_without_its_library_is_skipped_with_a_message_and_the_rest_runs(
     out = capsys.readouterr().out
     assert "# skipping torchft_diloco: torchft is not installed (pip install 'co2_hf[ft]')" in out
     assert "# skipping torchft_streaming" in out and "accelerate_local_sgd" not in out
-    assert "# plan: 1 blocks, 3 runs" in out  # no_comm, co2_stream, accelerate_local_sgd
+    assert "# plan: 1 blocks, 4 runs" in out  # no_comm, co2_stream, accelerate_local_sgd, the closing no_comm
 
 
 @pytest.mark.timeout(10)

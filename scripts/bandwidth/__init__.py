@@ -32,9 +32,11 @@ Lighthouse, one replica group per rank), ``accelerate_local_sgd`` (accelerate's 
 run also on another checkout's engine, next to this one's.
 
 Repeats: ``--repeats N`` makes N passes over the methods, interleaved (A B C A B C ...), each pass
-led by its own ``no_comm`` run in rounds of the block's longest tau, and every run of a pass is
-compared with it: load that comes and goes on a shared machine moves a run and its limit together,
-and the passes give each figure a median and a range (``compare.py``; ``--table``, and ``--doc``
+led by a ``no_comm`` run in rounds of the block's longest tau and the last followed by one more;
+every run is compared with the no-communication time interpolated, by its place, between the
+no_comm runs before and after its pass: a machine whose speed drifts, or load that comes and goes,
+moves a run and its limit together wherever it sits in the pass, and the passes give each figure
+a median and a range (``compare.py``; ``--table``, and ``--doc``
 writes that comparison, dated, into docs/performance.md). Each block (one rate, one topology, one
 model) first times a blocking all-reduce of the model's size (the ``probe`` line: its achieved
 rate checks the shaping). At the slowest rate the extras follow: twice the ranks at tau 48, and the
@@ -51,8 +53,8 @@ boundary, max over ranks, median over rounds; ddp: its step time minus the limit
 library keeps no timings: its round minus the limit's), ``exposed_frac_of_round`` and
 ``comm_over_compute`` (exposed time and all-reduce alone over one round of the limit's compute),
 ``hidden_frac`` (CO2 engine: 1 - sum(wait) / sum(launch to done); ddp: 1 - exposed / all-reduce
-alone), ``rel_to_limit`` (tokens/s over the no_comm run of the same repeat; for a no_comm run, over
-the block's mean), ``repeat``, ``invocation`` (when the command started: with ``repeat``, one pass),
+alone), ``rel_to_limit`` (tokens/s over the interpolated no-communication rate at the run's place; for a
+no_comm run, over the block's mean), ``repeat``, ``invocation`` (when the command started: with ``repeat``, one pass),
 ``code`` (``--against``: the other engine's commit), ``library`` (a peer's package and version),
 ``fragments`` and ``delay`` (torchft_streaming's), ``date``, and ``load_1m`` (the load average at the
 run's end: above the rank count, other work shared the cores).

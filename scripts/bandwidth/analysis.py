@@ -2,8 +2,9 @@
 
 Steady state: a run's first and last round are excluded (a round is tau steps; one step for ddp).
 Every number is the slowest rank's: a method that synchronises runs at its pace, so the limit of a
-data-parallel job is the slowest rank too. Each run is compared with the ``no_comm`` run of its
-repeat (the pass over the methods it belongs to). The comparison across repeats is ``compare.py``.
+data-parallel job is the slowest rank too. Each run is compared with the no-communication time at
+its place, interpolated between the ``no_comm`` runs before and after its pass (``plan.make_block``).
+The comparison across repeats is ``compare.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _ids(block: Block) -> dict:
 
 
 def run_line(block: Block, run: Run, per_rank: list[dict], alone: float, limit: float | None) -> dict:
-    """The JSON line of one run; ``limit`` is its repeat's no_comm time per step."""
+    """The JSON line of one run; ``limit`` is the no-communication time per step at its place."""
     step = statistics.median(statistics.median(r["times"][run.tau : run.tau * (run.rounds - 1)]) for r in per_rank)
     slowest = _slowest_per_step(run, per_rank)
     line = {
@@ -156,12 +157,17 @@ def predicted_link_bytes(method: str, block: Block, run: Run | None = None) -> f
 
 
 def _limit_for(i: int, block: Block, per_step: list[float | None]) -> float | None:
-    """Time per step of the no_comm run of run ``i``'s repeat (for a no_comm run: the mean of them all)."""
-    run = block.runs[i]
+    """The no-communication time per step at run ``i``'s place: interpolated, by position, between
+    the nearest no_comm runs before and after it (one of them where there is no other; for a
+    no_comm run, the mean of them all)."""
     limits = [j for j, r in enumerate(block.runs) if r.method == "no_comm" and per_step[j] is not None]
-    if run.method != "no_comm":
-        limits = [j for j in limits if block.runs[j].repeat == run.repeat]
-    return statistics.fmean(per_step[j] for j in limits) if limits else None
+    if not limits or block.runs[i].method == "no_comm":
+        return statistics.fmean(per_step[j] for j in limits) if limits else None
+    before, after = [j for j in limits if j < i][-1:], [j for j in limits if j > i][:1]
+    if not (before and after):
+        return per_step[(before or after)[0]]
+    a, b = before[0], after[0]
+    return per_step[a] + (per_step[b] - per_step[a]) * (i - a) / (b - a)
 
 
 def block_lines(block: Block, probe: list[dict] | None, results: list) -> list[dict]:

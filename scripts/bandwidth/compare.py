@@ -1,9 +1,9 @@
-"""Across repeats: each cell's ratio to its repeat's no-communication run (median and range), CO2
-against every other cell in the same repeat, and the dated Markdown table ``--doc`` writes.
+"""Across repeats: each cell's ratio to the no-communication limit (median and range), CO2 against
+every other cell in the same repeat, and the dated Markdown table ``--doc`` writes.
 
 A cell is one method at one (link, ranks, model, tau, wire type, engine checkout). Runs are paired
-by (invocation, repeat): the runs of one pass over the methods, which ran minutes apart and were
-compared with the same no-communication run. The reference of a row is CO2's defaults (``co2_stream``
+by (invocation, repeat): the runs of one pass over the methods, which ran minutes apart between
+the same two no-communication runs. The reference of a row is CO2's defaults (``co2_stream``
 on float32, this checkout) at the same tau; for a row on another checkout's engine (``--against``),
 the same cell on this one, so that its ratio reads "this checkout / that one".
 """

@@ -123,19 +123,21 @@ def rounds_for(tau: int, args) -> int:
 
 
 def make_block(args, *, ranks: int, model: str, rate: str, taus: list[int], methods: list[str]) -> Block:
-    """The methods interleaved, one pass per repeat (A B C A B C ...), each pass led by its own
-    no_comm run (rounds of the block's longest tau), which every run of the pass is compared with:
-    load that comes and goes on a shared machine then moves a run and its limit together, and the
+    """The methods interleaved, one pass per repeat (A B C A B C ...), each pass led by a no_comm
+    run (in rounds of the block's longest tau: the same statistic) and the last one followed by
+    another. Every run is compared with the no-communication time interpolated, by its place,
+    between the no_comm runs before and after its pass: a machine whose speed drifts, or load that
+    comes and goes, then moves a run and its limit together wherever it sits in the pass, and the
     repeats give each figure a median and a range."""
     one_pass = [Run("ddp", 1, args.ddp_steps)] if "ddp" in methods else []
     for tau in taus:
         for method in (m for m in methods if m in ROUND_METHODS):
             one_pass += _round_runs(method, tau, args)
+    limit = [Run("no_comm", max(taus), rounds_for(max(taus), args))] if "no_comm" in methods else []
     runs = []
     for repeat in range(args.repeats):
-        if "no_comm" in methods:
-            runs.append(Run("no_comm", max(taus), rounds_for(max(taus), args), repeat=repeat))
-        runs += [dataclasses.replace(run, repeat=repeat) for run in one_pass]
+        runs += [dataclasses.replace(run, repeat=repeat) for run in limit + one_pass]
+    runs += [dataclasses.replace(run, repeat=args.repeats) for run in limit]  # closes the last pass
     options = dict(
         trees=dict([args.against]) if args.against else {},  # (its commit, its path)
         torchft_fragments=args.torchft_fragments,
