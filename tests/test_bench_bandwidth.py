@@ -3,6 +3,7 @@ namespace plan in a dry run (no root), tear-down on failure, where each rank run
 rank), the steady-state summary, a loopback smoke run, and the model's formulas."""
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import torch
 import torch.distributed
 
 from scripts import scaling_model as sm
-from scripts.bandwidth import analysis, cli, netns, plan, worker
+from scripts.bandwidth import analysis, cli, compare, netns, plan, worker
 from scripts.bench_overlap import SEQ
 
 pytestmark = pytest.mark.research  # the benchmark code of scripts/
@@ -157,6 +158,7 @@ def test_a_cuda_rank_binds_its_local_gpu_before_nccl_starts(tmp_path, monkeypatc
 def test_steady_state_summary_by_hand():
     run = plan.Run("co2", tau=2, rounds=4)
     rank = {"times": [9, 9, 1, 2, 1, 4, 9, 9], "waits": [0, 0.5, 1.5, 7], "comms": [0, 2, 2, 7], "load_1m": 2.0}
+    rank["engine"] = [9, 0.75, 2.0, 9]  # host seconds in co2.step() per round, its waits included
     block = plan.Block(2, 1, "100mbit", "tiny", [run], batch=3)
     line = analysis.run_line(block, run, [rank, {**rank, "waits": [0, 0.25, 2.5, 0]}], alone=1.0, limit=1.0)
     assert line["step_time_s"] == 1.5  # median of the steady steps 1, 2, 1, 4
@@ -164,6 +166,7 @@ def test_steady_state_summary_by_hand():
     assert line["exposed_comm_per_round_s"] == 1.5  # max over ranks per round: 0.5 and 2.5
     assert line["exposed_frac_of_round"] == 0.75 and line["comm_over_compute"] == 0.5
     assert line["hidden_frac"] == 0.25  # 1 - (0.5 + 2.5) / (2 + 2)
+    assert line["engine_per_round_s"] == 0.5  # less the waits, max over ranks: (0.25, 0.5) and (0.5, 0)
     assert line["rel_to_limit"] == 0.5 and line["tokens_per_s"] == 2 * 3 * SEQ / 2.0
     assert "link_tx_bytes_per_round" not in line  # loopback: no link counter
 
@@ -212,23 +215,24 @@ def test_wires_make_one_run_per_wire_type_and_bad_ones_are_refused(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_loopback_smoke_run(tmp_path, capsys):
     out, png = tmp_path / "out.jsonl", tmp_path / "plot.png"
     argv = ["--loopback", "--rates", "unshaped", "--no-extras", "--model", "tiny", "--taus", "2"]
-    cli.main(
-        [*argv, "--min-steps", "8", "--ddp-steps", "4", "--limit-steps", "4", "--out", str(out), "--plot", str(png)]
-    )
+    peers = [m for m, package in plan.PEERS.items() if importlib.util.find_spec(package)]  # the installed ones
+    methods = ["no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", *peers]
+    argv += ["--methods", ",".join(methods), "--torchft-fragments", "2", "--min-steps", "8", "--ddp-steps", "4"]
+    cli.main([*argv, "--out", str(out), "--plot", str(png)])
     assert capsys.readouterr().out.startswith("# plan:")  # the estimate comes first
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    methods = [x["method"] for x in lines]
-    methods_run = ("ddp", "local_sgd", "diloco", "co2", "co2_stream")
-    assert methods == ["probe", "no_comm"] + [m for x in methods_run for m in (x, "no_comm")]
+    assert [x["method"] for x in lines] == ["probe", *methods, "no_comm"]  # no_comm runs around the pass
     for line in lines[1:]:
         assert line["tokens_per_s"] > 0 and line["rel_to_limit"] > 0 and "error" not in line
-    runs = lines[2::2]
-    assert all(0 <= line["hidden_frac"] <= 1 for line in runs)
-    assert runs[-1]["tau"] == 2 and runs[-1]["comm_s"] > 0
+    engine = [x for x in lines if x["method"] in plan.CO2_SETTINGS]
+    assert all(0 <= line["hidden_frac"] <= 1 for line in engine)
+    assert engine[-1]["tau"] == 2 and engine[-1]["comm_s"] > 0
+    # each peer ran through its own library, and says which
+    assert [x["library"].split()[0] for x in lines if x["method"] in peers] == [plan.PEERS[m] for m in peers]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -266,3 +270,122 @@ def test_markdown_table_lists_the_methods_only():
     repeated = [*lines, {**lines[2], "rel_to_limit": 0.90}, {**lines[2], "rel_to_limit": 0.95}]
     rows = analysis.markdown_table(repeated).splitlines()  # repeats of a cell: one row, the median
     assert len(rows) == 3 and "| **0.90** |" in rows[2] and rows[2].endswith("| 3 |")
+
+
+def _plan(*argv: str) -> plan.Block:
+    args = cli.parse_args(["--rates", "100mbit", "--no-extras", *argv])
+    (block,) = plan.build_plan(args)
+    return block
+
+
+@pytest.mark.timeout(10)
+def test_repeats_interleave_the_methods_each_pass_led_by_its_own_no_comm_run(tmp_path):
+    (tmp_path / "co2_hf").mkdir()
+    (tmp_path / "co2_hf" / "__init__.py").write_text("")  # a checkout to run --against (not a git one)
+    block = _plan("--taus", "16", "--methods", "no_comm,co2_stream,torchft_diloco", "--repeats", "3")
+    against = _plan("--taus", "16", "--methods", "no_comm,co2_stream", "--repeats", "2", "--against", str(tmp_path))
+    order = [(r.method, r.repeat) for r in block.runs]
+    passes = [(m, k) for k in range(3) for m in ("no_comm", "co2_stream", "torchft_diloco")]  # A B C A B C
+    assert order == [*passes, ("no_comm", 3)]  # and a no_comm run after the last pass
+    assert all(r.tau == 16 and r.rounds == 4 for r in block.runs)  # no_comm in rounds of tau too: the same statistic
+    assert [(r.method, r.code) for r in against.runs[:3]] == [
+        ("no_comm", ""),
+        ("co2_stream", ""),
+        ("co2_stream", tmp_path.name),
+    ]
+    assert against.options["trees"] == {tmp_path.name: str(tmp_path)}  # what the ranks import the other engine from
+
+
+def _result(seconds_per_step: float, steps: int = 12) -> dict:
+    return {"times": [seconds_per_step] * steps, "waits": [0.0] * 3, "comms": [1.0] * 3, "load_1m": 2.0}
+
+
+@pytest.mark.timeout(10)
+def test_each_run_is_compared_with_the_no_comm_time_interpolated_at_its_place_in_the_pass():
+    runs = [plan.Run(m, 4, 3, repeat=k) for k in range(2) for m in ("no_comm", "co2", "torchft_diloco")]
+    runs.append(plan.Run("no_comm", 4, 3, repeat=2))
+    block = plan.Block(2, 1, "100mbit", "tiny", runs, batch=3, options={"torchft_fragments": 1})
+    # the machine slows from 1.0 to 1.3 s per step over the first pass, then holds
+    seconds = [1.0, 1.1, 2.4, 1.3, 1.3, 2.6, 1.3]
+    lines = analysis.block_lines(block, [{"allreduce_alone_s": 1.0}] * 2, [[_result(t)] * 2 for t in seconds])
+    rel = [(x["method"], x["repeat"], x["rel_to_limit"]) for x in lines[1:]]
+    # limits 1.1 and 1.2 a third and two thirds of the way from 1.0 to 1.3 (not 1.0: the pass's first)
+    assert rel[1:3] == [("co2", 0, 1.0), ("torchft_diloco", 0, 0.5)]
+    assert rel[4:6] == [("co2", 1, 1.0), ("torchft_diloco", 1, 0.5)]
+    assert lines[3]["exposed_comm_per_round_s"] == 4.8  # a peer: its time over the limit, per round of 4 steps
+    assert lines[3]["tau"] == 4 and lines[1]["tau"] is None  # a peer's tau is its sync period
+
+
+def _cell(method: str, repeat: int, rel: float, **extra) -> dict:
+    common = {"rate": "100mbit", "ranks": 2, "model": "small", "tau": 16, "load_1m": 2.1, "invocation": "i"}
+    speed = {"tokens_per_s": 1000.0 * rel, "rel_to_limit": rel, "time_per_step_s": 1 / rel, "date": "2026-12-04"}
+    return {**common, **speed, "method": method, "repeat": repeat, "wire": None, **extra}
+
+
+@pytest.mark.timeout(10)
+def test_the_comparison_gives_medians_ranges_and_ratios_within_each_repeat(tmp_path):
+    defaults = dict(wire="float32", exposed_comm_per_round_s=0.5, engine_per_round_s=0.25)
+    lines = [_cell("no_comm", 0, 1.0)]
+    for repeat, (co2, old, peer) in enumerate([(0.95, 0.90, 0.80), (0.90, 0.90, 0.90), (0.99, 0.85, 0.60)]):
+        lines += [
+            _cell("co2_stream", repeat, co2, **defaults),
+            _cell("co2_stream", repeat, old, code="1a35d5a", **defaults),
+        ]
+        lines.append(_cell("torchft_diloco", repeat, peer, library="torchft 0.2.0"))
+    rows = compare.comparison_table(lines).splitlines()
+    assert len(rows) == 5  # the head, its rule, and one row per cell: no_comm left out
+    assert "| CO2, the defaults (streaming, F = tau) | **0.95 (0.90-0.99)** | reference |" in rows[2]
+    # lost per round against the limit, 16 (1/rel - 1) s: waits 0.5, engine 0.25, the rest
+    assert "| reference | 0.50 / 0.25 / 0.09 |" in rows[2]  # the rest: median of 0.09, 1.03 and -0.59
+    # the other checkout's engine against this one's, repeat by repeat: 0.95/0.90, 0.90/0.90, 0.99/0.85
+    assert "at 1a35d5a | **0.90 (0.85-0.90)** | 1.06 (1.00-1.16) |" in rows[3]
+    # the peer against the defaults of the same repeat: 0.95/0.80, 0.90/0.90, 0.99/0.60
+    assert "| torchft 0.2.0 DiLoCo | **0.80 (0.60-0.90)** | 1.19 (1.00-1.65) | - / - / 4.00 |" in rows[4]
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"before\n{compare.BEGIN}\nstale\n{compare.END}\nafter\n")
+    compare.write_doc(str(doc), lines, "docs/x.jsonl")
+    text = doc.read_text()
+    assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "Measured 2026-12-04" in text and "--table docs/x.jsonl --doc" in text and rows[4] in text
+    doc.write_text("no markers")
+    with pytest.raises(SystemExit, match="--doc .* no .* markers"):
+        compare.write_doc(str(doc), lines, "docs/x.jsonl")
+
+
+@pytest.mark.timeout(20)
+def test_a_peer_without_its_library_is_skipped_with_a_message_and_the_rest_runs(capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    methods = "no_comm,co2_stream,torchft_diloco,torchft_streaming,accelerate_local_sgd"
+    cli.main(["--dry-run", "--rates", "100mbit", "--no-extras", "--taus", "16", "--methods", methods])
+    out = capsys.readouterr().out
+    assert "# skipping torchft_diloco: torchft is not installed (pip install 'co2_hf[ft]')" in out
+    assert "# skipping torchft_streaming" in out and "accelerate_local_sgd" not in out
+    assert "# plan: 1 blocks, 4 runs" in out  # no_comm, co2_stream, accelerate_local_sgd, the closing no_comm
+
+
+@pytest.mark.timeout(10)
+def test_bad_peer_settings_are_refused_naming_the_flag(capsys, tmp_path):
+    for argv, message in (
+        (["--torchft-fragments", "3"], "--torchft-fragments=3 must be >= 1 and divide every --taus"),
+        (["--torchft-delay", "4"], "--torchft-delay=4: allowed are 0 .. tau / --torchft-fragments - 1 = 3"),
+        (["--against", str(tmp_path)], "not a checkout of this project"),
+        (["--torchft-fragments", "8"], "--torchft-fragments=8: the model has only 7 modules to cut between"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--taus", "16", "--methods", "no_comm,torchft_streaming", *argv])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)
+def test_torchft_streaming_fragments_are_runs_of_whole_modules_holding_each_parameter_once():
+    from scripts.bandwidth import peers
+
+    model = worker.build_model(plan.MODELS["small"], seed=0)
+    parts = peers.split_modules(model, 4)
+    held = [p for part in parts for p in part.parameters()]
+    assert len(held) == len({id(p) for p in held}) == len(list(model.parameters()))  # the tied head once
+    sizes = [sum(p.numel() for p in part.parameters()) / 1e6 for part in parts]
+    assert [round(x, 2) for x in sizes] == [3.15, 1.82, 3.55, 1.78]  # cut at the block nearest each quarter
+    with pytest.raises(ValueError, match="--torchft-fragments=8: the model has only 7 modules"):
+        peers.split_modules(model, 8)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,13 +15,16 @@ import torch
 from ..bench_overlap import SEQ
 from . import __doc__ as DESCRIPTION
 from .analysis import markdown_table
+from .compare import comparison_table, write_doc
 from .launch import print_dry_run, run_plan
 from .netns import check_privileges, rate_bps, remove_stale_namespaces
+from .peers import skip_missing, split_modules
 from .plan import (
     DEFAULT_BATCH,
     DEVICES,
     METHODS,
     MODELS,
+    PEERS,
     WIRES,
     build_plan,
     check_gpus,
@@ -27,7 +32,7 @@ from .plan import (
     visible_gpus,
 )
 from .plot import plot
-from .worker import worker
+from .worker import build_model, worker
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,8 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         type=csv(str),
-        default=[m for m in METHODS if m != "co2_node"],
-        help=f"among {', '.join(METHODS)} (co2_node: needs --ranks-per-node > 1)",
+        default=[m for m in METHODS if m != "co2_node" and m not in PEERS],
+        help=f"among {', '.join(METHODS)} (co2_node: needs --ranks-per-node > 1; the peers, from "
+        "torchft_diloco on, each needs its library)",
     )
     parser.add_argument(
         "--wires",
@@ -65,8 +71,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-steps", type=int, default=60, help="steps per CO2-engine run, at least 4 rounds")
     parser.add_argument("--max-rounds", type=int, default=8, help="rounds per CO2-engine run, at most")
     parser.add_argument("--ddp-steps", type=int, default=8)
-    parser.add_argument("--limit-steps", type=int, default=12, help="steps of each no_comm run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every method per block (--table: median)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="passes over the methods per block, interleaved (--table: median)"
+    )
+    parser.add_argument(
+        "--against",
+        metavar="TREE",
+        help="another checkout of this project (git worktree add /tmp/co2_OLD OLD): every CO2-engine run also "
+        "runs on its engine, next to this one's",
+    )
+    parser.add_argument(
+        "--torchft-fragments", type=int, default=4, help="torchft_streaming: fragments, dividing every tau"
+    )
+    parser.add_argument(
+        "--torchft-delay",
+        type=int,
+        help="torchft_streaming: fragment_sync_delay, steps from a fragment's launch to its wait "
+        "(unset: tau / fragments - 1, the most torchft allows)",
+    )
     parser.add_argument(
         "--device",
         choices=DEVICES,
@@ -80,6 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="also append the JSON lines to this file")
     parser.add_argument("--plot", help="write the PNG plot here")
     parser.add_argument("--table", help="print the Markdown table of a JSONL written by --out, and exit")
+    parser.add_argument(
+        "--doc",
+        help="with --table: also write its comparison table, dated, between the bench_bandwidth markers of "
+        "this Markdown file (docs/performance.md)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if set(args.wires) - set(WIRES):
@@ -93,7 +120,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--loopback cannot shape: use --rates unshaped --no-extras")
     for rate in args.rates:
         rate_bps(rate)
+    _check_torchft(parser, args)
+    args.against = _against(parser, args.against) if args.against else None
+    args.invocation = time.strftime("%Y-%m-%dT%H:%M:%S")  # with a repeat's index, names one pass
     return args
+
+
+def _check_torchft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """torchft's DiLoCo syncs one fragment every tau / F steps, and waits before the next one."""
+    if "torchft_streaming" not in args.methods:
+        return
+    fragments, delay = args.torchft_fragments, args.torchft_delay
+    if fragments < 1 or any(tau % fragments for tau in args.taus):
+        parser.error(f"--torchft-fragments={fragments} must be >= 1 and divide every --taus ({args.taus})")
+    window = min(args.taus) // fragments
+    if delay is not None and not 0 <= delay < window:
+        parser.error(f"--torchft-delay={delay}: allowed are 0 .. tau / --torchft-fragments - 1 = {window - 1}")
+    for model in {args.model, *(["large"] if args.extras else [])}:
+        with torch.device("meta"):  # its modules only: nothing allocated, nothing initialised
+            try:
+                split_modules(build_model(MODELS[model], seed=0), fragments)
+            except ValueError as error:
+                parser.error(f"{error} ({model} model)")
+
+
+def _against(parser: argparse.ArgumentParser, tree: str) -> tuple[str, str]:
+    """(its commit, its path) for ``--against``: a checkout of this project."""
+    path = Path(tree).resolve()
+    if not (path / "co2_hf" / "__init__.py").is_file():
+        parser.error(f"--against {tree}: not a checkout of this project (no co2_hf/__init__.py there)")
+    head = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return (head.stdout.strip() or path.name), str(path)
 
 
 def _exit_on_signal(signum, _frame) -> None:
@@ -117,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args.worker)
     if args.table:
         lines = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
-        return print(markdown_table(lines))
+        if args.doc:
+            write_doc(args.doc, lines, args.table)
+        return print(f"{markdown_table(lines)}\n\n{comparison_table(lines)}")
+    args.methods = skip_missing(args.methods)
     blocks = build_plan(args)
     total = sum(estimate_block_s(b) for b in blocks)
     print(

@@ -66,7 +66,7 @@ def run_block(
 ) -> tuple[list, list]:
     """Launch the ranks; return the probe per rank and, per run, its results per rank or an error."""
     spec = {"model": block.model, "batch": block.batch, "device": device, "out_dir": str(workdir), "timeout_s": 900}
-    spec["ranks_per_node"] = block.ranks_per_node
+    spec.update(ranks_per_node=block.ranks_per_node, options=block.options)
     spec["runs"] = [asdict(r) for r in block.runs]
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))

@@ -9,9 +9,10 @@ and the environment that tells it so: with ``--device cuda`` one GPU per rank an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..bench_overlap import MODEL
 from ..scaling_model import gpt2_params, ring_allreduce_s, step_time_s
@@ -29,7 +30,16 @@ CO2_SETTINGS = {  # the README's table of methods
     # node, and each rank all-reduces 1/k of the outer gradient across nodes
     "co2_node": dict(co2_overlap=True, co2_fragments=1),
 }
-METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", "co2_node")
+# The libraries a user would pick instead of CO2, each run through its own documented API
+# (``peers.py``), and the package each needs: without it, its runs are skipped with a message.
+PEERS = {
+    "torchft_diloco": "torchft",  # torchft's DiLoCo, one fragment, blocking (fragment_sync_delay 0)
+    "torchft_streaming": "torchft",  # torchft's streaming DiLoCo: fragments, each overlapped
+    "accelerate_local_sgd": "accelerate",  # accelerate.local_sgd.LocalSGD
+    "torch_post_local_sgd": "torch",  # torch's PostLocalSGDOptimizer with the post-local-SGD DDP hook
+}
+METHODS = ("no_comm", "ddp", "local_sgd", "diloco", "co2", "co2_stream", "co2_node", *PEERS)
+ROUND_METHODS = (*CO2_SETTINGS, *PEERS)  # the methods that communicate once per round of tau steps
 WIRES = ("float32", "bfloat16", "int8", "int4", "sparse")  # co2_comm_dtype of the CO2-engine runs (--wires)
 QUANT_BLOCK = 128  # co2_quant_block: CO2Config's default
 
@@ -57,9 +67,11 @@ UNSHAPED_BPS = 5e9
 @dataclass
 class Run:
     method: str
-    tau: int  # steps per round: tau for the CO2 engine, 1 for ddp and no_comm
+    tau: int  # steps per round: tau for the round methods and no_comm, 1 for ddp
     rounds: int
     wire: str = "float32"  # co2_comm_dtype of a CO2-engine run
+    repeat: int = 0  # which pass over the block's methods: compared with that pass's no_comm run
+    code: str = ""  # a CO2-engine run on another checkout's engine (--against): its commit; "" this one
 
 
 def wire_bytes_per_value(wire: str) -> float:
@@ -86,6 +98,10 @@ class Block:
     model: str
     runs: list[Run]
     batch: int = DEFAULT_BATCH  # sequences of SEQ tokens per rank and step
+    # what the ranks need besides the runs: ``trees`` (--against: its commit -> the checkout's path),
+    # ``torchft_fragments`` and ``torchft_delay`` (torchft_streaming)
+    options: dict = field(default_factory=dict)
+    invocation: str = ""  # when the command started: with a run's repeat, which runs were one pass
 
     @property
     def step_s(self) -> float:
@@ -107,16 +123,39 @@ def rounds_for(tau: int, args) -> int:
 
 
 def make_block(args, *, ranks: int, model: str, rate: str, taus: list[int], methods: list[str]) -> Block:
-    """Every run sits between two no_comm runs, its limit is their mean: load that comes and goes on a
-    shared machine then moves a run and its limit together."""
-    runs = [Run("ddp", 1, args.ddp_steps)] if "ddp" in methods else []
+    """The methods interleaved, one pass per repeat (A B C A B C ...), each pass led by a no_comm
+    run (in rounds of the block's longest tau: the same statistic) and the last one followed by
+    another. Every run is compared with the no-communication time interpolated, by its place,
+    between the no_comm runs before and after its pass: a machine whose speed drifts, or load that
+    comes and goes, then moves a run and its limit together wherever it sits in the pass, and the
+    repeats give each figure a median and a range."""
+    one_pass = [Run("ddp", 1, args.ddp_steps)] if "ddp" in methods else []
     for tau in taus:
-        runs += [Run(m, tau, rounds_for(tau, args), wire) for m in methods if m in CO2_SETTINGS for wire in args.wires]
-    runs = runs * args.repeats
-    if "no_comm" in methods:
-        limit = Run("no_comm", 1, args.limit_steps)
-        runs = [limit] + [r for run in runs for r in (run, limit)]
-    return Block(ranks, args.ranks_per_node, rate, model, runs, batch=args.batch)
+        for method in (m for m in methods if m in ROUND_METHODS):
+            one_pass += _round_runs(method, tau, args)
+    limit = [Run("no_comm", max(taus), rounds_for(max(taus), args))] if "no_comm" in methods else []
+    runs = []
+    for repeat in range(args.repeats):
+        runs += [dataclasses.replace(run, repeat=repeat) for run in limit + one_pass]
+    runs += [dataclasses.replace(run, repeat=args.repeats) for run in limit]  # closes the last pass
+    options = dict(
+        trees=dict([args.against]) if args.against else {},  # (its commit, its path)
+        torchft_fragments=args.torchft_fragments,
+        torchft_delay=args.torchft_delay,
+    )
+    return Block(
+        ranks, args.ranks_per_node, rate, model, runs, batch=args.batch, options=options, invocation=args.invocation
+    )
+
+
+def _round_runs(method: str, tau: int, args) -> list[Run]:
+    """A peer's run, or a CO2-engine method's: one per wire type, each on this checkout's engine
+    and then, with ``--against``, on the other's (next to each other in time)."""
+    rounds = rounds_for(tau, args)
+    if method in PEERS:
+        return [Run(method, tau, rounds)]
+    codes = ["", args.against[0]] if args.against else [""]
+    return [Run(method, tau, rounds, wire, code=code) for wire in args.wires for code in codes]
 
 
 def build_plan(args) -> list[Block]:
@@ -133,13 +172,23 @@ def build_plan(args) -> list[Block]:
 # ---------------------------------------------------------------- estimates
 
 
+SCALING_METHOD = {  # scaling_model's name of each method: how its communication meets compute
+    "ddp": "data_parallel",
+    "diloco": "local_sgd",
+    "co2_node": "co2",
+    "co2_stream": "co2",
+    "torchft_diloco": "local_sgd",
+    "torchft_streaming": "co2",
+    "accelerate_local_sgd": "local_sgd",
+    "torch_post_local_sgd": "local_sgd",
+}
+
+
 def _method_and_link(run: Run, block: Block) -> tuple[str, float]:
     """scaling_model's method, and the rate at which its fp32 bytes would cross (a narrower wire
     type sends fewer bytes: as if the link were that much faster)."""
     bps = rate_bps(block.rate)
-    method = {"ddp": "data_parallel", "diloco": "local_sgd", "co2_node": "co2", "co2_stream": "co2"}.get(
-        run.method, run.method
-    )
+    method = SCALING_METHOD.get(run.method, run.method)
     return method, (0.95 * bps if bps else UNSHAPED_BPS) * 4 / wire_bytes_per_value(run.wire)
 
 
@@ -205,6 +254,7 @@ def rank_env(block: Block, rank: int, device: str, *, loopback: bool, gpus: list
     node, k = rank // block.ranks_per_node, block.ranks_per_node
     local_rank = rank if loopback else rank % k
     env = {"RANK": str(rank), "WORLD_SIZE": str(block.ranks), "LOCAL_RANK": str(local_rank)}
+    env["OMP_NUM_THREADS"] = "1"  # one core per rank: accelerate would set 2 threads where it is unset
     if loopback:
         env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
         return env
