@@ -47,6 +47,22 @@ SPARSE_ONLY = {
 }
 
 
+def bytes_per_value(*, block: int, keep: int, bits: int) -> float:
+    """Sparse wire payload bytes per value, padding aside (core/sparse.py's layout: per block, ``keep``
+    uint8 indices, ``keep`` codes of ``bits`` and one fp32 scale). Here, not in core/sparse.py, so
+    that the settings check needs nothing from the engine (this module imports no other of ours)."""
+    return (keep + keep * bits / 8 + 4) / block
+
+
+def max_paying_workers(*, block: int, keep: int, bits: int, int4_block: int) -> int:
+    """The most workers G at which the all-gather of sparse payloads, ``(G-1) S`` bytes sent per rank,
+    still sends fewer bytes than the dense int4 ring all-reduce, ``2 (G-1)/G x B4``: ``G < 2 B4 / S``."""
+    int4 = (int4_block / 2 + 4) / int4_block
+    ratio = 2 * int4 / bytes_per_value(block=block, keep=keep, bits=bits)
+    limit = int(ratio)
+    return limit - 1 if limit == ratio else limit
+
+
 def _knob(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -379,8 +395,6 @@ class CO2Config:
     def _check_sparse_pays(self, workers: int) -> None:
         """The sparse all-gather sends (G-1) payloads per rank: past `max_paying_workers` the dense
         int4 all-reduce sends fewer bytes, so such a launch is refused (docs/algorithm.md)."""
-        from .core.sparse import max_paying_workers
-
         block, keep, bits = self.co2_quant_block, self.sparse_keep, self.co2_sparse_bits
         limit = max_paying_workers(block=block, keep=keep, bits=bits, int4_block=block)
         if workers > limit:

@@ -14,12 +14,12 @@ from quant_workers import sparse_engine_over_the_wire, sparse_rounds
 from simulated import Workers
 
 from co2_hf import CO2Config
+from co2_hf.config import max_paying_workers
 from co2_hf.core.reshard import resharded_state
 from co2_hf.core.sparse import (
     SparseFeedback,
     decode,
     encode,
-    max_paying_workers,
     payload_nbytes,
     sent_nbytes,
     sparse_all_reduce_,

@@ -16,7 +16,7 @@ sparsified: a mean of their top-k would be nonsense), ride along in fp32 and are
 
 What it costs: a ring all-gather sends ``(G-1)`` payloads per rank, against the dense int4 ring
 all-reduce's ``2 (G-1)/G`` coded vectors. So sparse pays while ``G < 2 x int4 bytes / sparse
-bytes`` (`max_paying_workers`; docs/algorithm.md, the sparse wire), and ``CO2Config.check_world``
+bytes`` (`co2_hf.config.max_paying_workers`; docs/algorithm.md, the sparse wire), and ``CO2Config.check_world``
 refuses a launch past it, naming ``co2_sparse_density``.
 """
 
@@ -36,20 +36,6 @@ def payload_nbytes(numel: int, *, block: int, keep: int, bits: int) -> int:
     uint8 indices, ``keep`` codes of ``bits`` and one fp32 scale."""
     blocks = sparse_padded_numel(numel, block=block) // block
     return blocks * (keep + 4) + blocks * keep * bits // 8
-
-
-def bytes_per_value(*, block: int, keep: int, bits: int) -> float:
-    """Payload bytes per value, padding aside (what `max_paying_workers` compares)."""
-    return (keep + keep * bits / 8 + 4) / block
-
-
-def max_paying_workers(*, block: int, keep: int, bits: int, int4_block: int) -> int:
-    """The most workers G at which the all-gather of sparse payloads, ``(G-1) S`` bytes sent per rank,
-    still sends fewer bytes than the dense int4 ring all-reduce, ``2 (G-1)/G x B4``: ``G < 2 B4 / S``."""
-    int4 = (int4_block / 2 + 4) / int4_block
-    ratio = 2 * int4 / bytes_per_value(block=block, keep=keep, bits=bits)
-    limit = int(ratio)
-    return limit - 1 if limit == ratio else limit
 
 
 def sparse_padded_numel(numel: int, *, block: int) -> int:

@@ -81,7 +81,7 @@ def wire_bytes_per_value(wire: str) -> float:
     sends once, as a ring all-reduce sends 2 (R-1)/R = 1 of a dense vector (more ranks: not comparable)."""
     if wire == "sparse":
         from co2_hf import CO2Config
-        from co2_hf.core.sparse import bytes_per_value
+        from co2_hf.config import bytes_per_value
 
         config = CO2Config(co2_comm_dtype="sparse")
         return bytes_per_value(block=config.co2_quant_block, keep=config.sparse_keep, bits=config.co2_sparse_bits)
