@@ -171,6 +171,33 @@ def test_disabled_is_a_pass_through_for_the_baseline(tmp_path, how):
 
 
 @pytest.mark.timeout(60)
+def test_save_pretrained_of_a_plain_module_writes_safetensors_of_the_anchor(tmp_path):
+    from huggingface_hub import ModelCard
+    from safetensors.torch import load_file
+
+    from co2_hf import CO2Accelerate, CO2Config
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CO2Accelerate(_OneProcess(), model, optimizer, config=CO2Config(co2_local_steps=4)) as co2:
+        for _ in range(3):  # inside a round: the live weights have moved off the anchor
+            model(torch.randn(2, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            co2.step()
+        anchor = {k: v.clone() for k, v in co2.anchor_state().items()}
+        live = model[0].weight.detach().clone()
+        co2.save_pretrained(str(tmp_path / "mid"), dataset="random vectors")
+    saved = load_file(tmp_path / "mid" / "model.safetensors")
+    assert saved.keys() == anchor.keys() and all(torch.equal(saved[k], anchor[k]) for k in anchor)
+    assert not torch.equal(saved["0.weight"], live)  # the anchor, not the live weights
+    card = ModelCard.load(tmp_path / "mid" / "README.md")
+    assert card.data.library_name == "pytorch" and card.data.co2["co2_local_steps"] == 4
+    assert (tmp_path / "mid" / "co2_config.json").exists()
+
+
+@pytest.mark.timeout(60)
 def test_one_process_warns_and_an_exception_skips_the_collective_finalize(tmp_path, caplog):
     from huggingface_hub import ModelCard
     from trainer_workers import tiny_gpt2

@@ -349,3 +349,10 @@ def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_pat
     model_card.add_co2_section(str(tmp_path / "README.md"), CO2Config(), plan=Plan.resolve(CO2Config()), world_size=2)
     card = (tmp_path / "README.md").read_text()
     assert "| `co2_fragments` | `12` |" in card and "| resolved: `start_rule` | `lookahead` |" in card
+    # the Trainer's hyperparameter list names every multi-process run "multi-GPU"
+    for device, expected in (("cpu", "multi-CPU"), ("cuda", "multi-GPU")):
+        (tmp_path / "README.md").write_text("# model\n\n- distributed_type: multi-GPU\n- num_devices: 2\n")
+        model_card.add_co2_section(
+            str(tmp_path / "README.md"), CO2Config(), plan=plan, world_size=2, device_type=device
+        )
+        assert f"- distributed_type: {expected}\n" in (tmp_path / "README.md").read_text()

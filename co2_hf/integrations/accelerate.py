@@ -180,14 +180,20 @@ class CO2Accelerate:
         """``save_pretrained`` of the anchor (the model all workers share, also mid-training), with
         ``co2_config.json`` and a model card: ``base_model`` (None: trained from scratch),
         ``dataset``, ``license``, ``pipeline_tag`` (None: from the model's class). Collective:
-        every rank calls it (with ``co2_worker_size > 1`` the anchor is gathered in the worker)."""
+        every rank calls it (with ``co2_worker_size > 1`` the anchor is gathered in the worker).
+        A model without ``save_pretrained`` (a plain ``nn.Module``) is written as
+        ``accelerator.save_model`` writes one: ``model.safetensors``, shared tensors stored once."""
         accelerator = self.accelerator
         state = checkpoint.anchor_for_saving(self.co2) if self.co2 is not None else None
-        self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
+        transformers_model = hasattr(self.module, "save_pretrained")
+        if transformers_model:
+            self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
+        elif accelerator.is_main_process:
+            _save_module(self.module if state is None else state, output_dir)
         if accelerator.is_main_process:
             card = os.path.join(output_dir, "README.md")
             about = dict(base_model=base_model, dataset=dataset, license=license, pipeline_tag=pipeline_tag)
-            model_card.write_card(card, **about)
+            model_card.write_card(card, **about, library_name="transformers" if transformers_model else "pytorch")
             if self.co2 is not None:
                 world = accelerator.num_processes
                 ran = dict(world_size=world, plan=self.co2.plan)
@@ -352,6 +358,18 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
             "accelerator.prepare_model(model, evaluation_mode=True)"
         )
     config.check_world(accelerator.num_processes)
+
+
+def _save_module(weights: torch.nn.Module | dict, output_dir: str) -> None:
+    """``model.safetensors`` of a module without ``save_pretrained`` (or of its anchor state dict),
+    tied tensors stored once, as ``accelerator.save_model`` stores them."""
+    from accelerate.utils import clean_state_dict_for_safetensors
+    from safetensors.torch import save_file
+
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    os.makedirs(output_dir, exist_ok=True)
+    state = clean_state_dict_for_safetensors({k: v.detach().contiguous() for k, v in state.items()})
+    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _refuse_custom_objects(accelerator: Any, what: str) -> None:

@@ -34,7 +34,9 @@ def _load(card_path: str):
     return ModelCard("---\nlibrary_name: transformers\n---\n")
 
 
-def complete_card(card_path: str, *, base_model: str | None = None, pipeline_tag: str | None = None) -> None:
+def complete_card(
+    card_path: str, *, base_model: str | None = None, pipeline_tag: str | None = None, device_type: str | None = None
+) -> None:
     """Fix what ``Trainer.create_model_card`` leaves wrong or out, in the card at ``card_path``:
 
     - a model trained from scratch is "fine-tuned version of [](https://huggingface.co/)" there:
@@ -42,10 +44,16 @@ def complete_card(card_path: str, *, base_model: str | None = None, pipeline_tag
     - a base model that is a local folder is named in the text, but is not a Hub id, so it leaves
       the ``base_model`` metadata (the Hub rejects it);
     - ``pipeline_tag`` (the task the Hub's widget and ``pipeline()`` use): given, or found from
-      ``config.json``'s architecture beside the card.
+      ``config.json``'s architecture beside the card;
+    - the Trainer calls every multi-process run "multi-GPU": a run on ``device_type`` "cpu" (gloo)
+      is named for its device.
     """
     card = _load(card_path)
     card.text = _EMPTY_BASE.sub("This model was trained from scratch on ", card.text)
+    if device_type and device_type != "cuda":
+        card.text = card.text.replace(
+            "- distributed_type: multi-GPU\n", f"- distributed_type: multi-{device_type.upper()}\n"
+        )
     if base_model and os.path.isdir(base_model):
         card.text = card.text.replace(f"[{base_model}](https://huggingface.co/{base_model})", f"`{base_model}`")
         card.data.base_model = None
@@ -62,13 +70,15 @@ def write_card(
     dataset: str | None = None,
     license: str | None = None,
     pipeline_tag: str | None = None,
+    library_name: str = "transformers",
 ) -> None:
     """A short card for a model saved outside the Trainer (``CO2Accelerate.save_pretrained``):
-    what it was trained from and on; `add_co2_section` adds the CO2 part."""
+    what it was trained from and on; `add_co2_section` adds the CO2 part. ``library_name``:
+    "pytorch" for a plain ``nn.Module``, which transformers cannot load."""
     from huggingface_hub import ModelCard, ModelCardData
 
     hub_base = base_model if base_model and not os.path.isdir(base_model) else None
-    data = ModelCardData(library_name="transformers", license=license, base_model=hub_base, pipeline_tag=pipeline_tag)
+    data = ModelCardData(library_name=library_name, license=license, base_model=hub_base, pipeline_tag=pipeline_tag)
     origin = f"a fine-tuned version of `{base_model}`" if base_model else "trained from scratch"
     name = os.path.basename(os.path.dirname(os.path.abspath(card_path)))
     text = f"---\n{data.to_yaml()}\n---\n\n# {name}\n\nThis model is {origin} on {dataset or 'an unknown dataset'}.\n"
@@ -91,10 +101,13 @@ def _task_of(config_path: str) -> str | None:
     return None
 
 
-def add_co2_section(card_path: str, config: CO2Config, *, plan: Plan, world_size: int) -> None:
+def add_co2_section(
+    card_path: str, config: CO2Config, *, plan: Plan, world_size: int, device_type: str | None = None
+) -> None:
     """Add CO2's metadata (YAML) and a section (Markdown) to the model card at ``card_path``: the
-    settings as they ran (``co2_fragments`` the plan's F) and the resolved ``plan``."""
-    complete_card(card_path)
+    settings as they ran (``co2_fragments`` the plan's F) and the resolved ``plan``; ``device_type``
+    (the run's ``torch.device`` type) corrects the Trainer's hyperparameter list (`complete_card`)."""
+    complete_card(card_path, device_type=device_type)
     card = _load(card_path)
     tags = list(card.data.tags or [])
     card.data.tags = tags + [t for t in TAGS if t not in tags]
@@ -106,10 +119,11 @@ def add_co2_section(card_path: str, config: CO2Config, *, plan: Plan, world_size
         rows += "\n" + "\n".join(f"| resolved: `{k}` | `{v}` |" for k, v in plan.describe().items())
         card.text = card.text.rstrip() + (
             "\n\n## Trained with CO2\n\n"
-            f"This model was trained with [co2_hf](https://arxiv.org/abs/{ARXIV_ID}) on {world_size} "
-            f"processes ({world_size // config.co2_worker_size} workers): CO2 data-parallel training, "
-            "whose outer all-reduce overlaps the next round's computation (Sun et al., ICLR 2024, "
-            f"arXiv:{ARXIV_ID}). The weights are the final anchor, the model all workers share.\n\n"
+            f"This model was trained with co2_hf on {world_size} processes "
+            f"({world_size // config.co2_worker_size} workers): CO2 data-parallel training, whose outer "
+            "all-reduce overlaps the next round's computation ([Sun et al., ICLR 2024, "
+            f"arXiv:{ARXIV_ID}](https://arxiv.org/abs/{ARXIV_ID})). The weights are the final anchor, "
+            "the model all workers share.\n\n"
             f"| setting | value |\n|---|---|\n{rows}\n\n### Citation\n\n```bibtex\n{CITATION}\n```\n"
         )
     card.save(card_path)

@@ -35,9 +35,11 @@ What CO2Trainer changes, each a few lines around ``super()``:
   shards for its duration (FSDP2 gathers them itself).
 
 The private Trainer methods overridden (``_prepare_for_training``, ``_finalize_training``, ``_save``,
-``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``, ``_load_best_model``) are
-those of transformers 5.x; a test in tests/test_trainer.py checks that they exist with these signatures and
-that ``_save_checkpoint`` takes its folder, pushes and rotates the way this module relies on.
+``_save_checkpoint``, ``_get_output_dir``, ``_load_optimizer_and_scheduler``, ``_load_best_model``, and
+on torchft ``_get_train_sampler``, ``_run_epoch``, ``_load_rng_state``) are those of transformers 5.x;
+tests/test_trainer.py checks that every private override is listed here and exists in the installed
+transformers with these signatures, and that ``_save_checkpoint`` takes its folder, pushes and rotates
+the way this module relies on.
 """
 
 from __future__ import annotations
@@ -554,7 +556,8 @@ class CO2Trainer(Trainer):
         super().create_model_card(*args, tags=tags, **kwargs)
         if self.co2_config is not None and self.is_world_process_zero():
             card = os.path.join(self.args.output_dir, "README.md")
-            model_card.add_co2_section(card, **self._ran_with(), world_size=self.args.world_size)
+            ran = dict(world_size=self.args.world_size, device_type=self.args.device.type)
+            model_card.add_co2_section(card, **self._ran_with(), **ran)
 
     def _ran_with(self) -> dict:
         """The settings and plan the engine ran with (before training: as they resolve from the
