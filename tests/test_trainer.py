@@ -114,6 +114,8 @@ def test_model_card_has_tags_hyperparameters_and_citation(suite):
     assert meta["co2"]["co2_local_steps"] == 4 and meta["co2"]["world_size"] == 2
     assert "2401.16265" in text and "@inproceedings{sun2024co2" in text
     assert "| `co2_outer_momentum` | `0.2` |" in text
+    assert "- distributed_type: multi-CPU\n" in text  # two gloo processes, not the Trainer's "multi-GPU"
+    assert "[co2_hf](https://arxiv.org" not in text  # the paper's link names the paper
 
 
 @pytest.mark.slow
@@ -392,7 +394,42 @@ PRIVATE_TRAINER_API = {
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_push_from_checkpoint": ["self", "checkpoint_folder"],
     "_load_best_model": ["self"],
+    "_get_train_sampler": ["self", "train_dataset"],
+    "_load_rng_state": ["self", "checkpoint"],
+    "_load_callback_state": ["self"],  # called on torchft (integrations/fault_tolerance.py)
+    # passed through as keywords: the names CO2Trainer reads and sets
+    "_run_epoch": [
+        "self",
+        "model",
+        "epoch",
+        "train_dataloader",
+        "steps_in_epoch",
+        "num_update_steps_per_epoch",
+        "trial",
+        "ignore_keys_for_eval",
+        "start_time",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    ],
 }
+
+
+@pytest.mark.timeout(30)
+def test_every_private_trainer_method_co2trainer_overrides_is_guarded():
+    """An override of a private Trainer method breaks silently when transformers renames it: each one
+    must be in PRIVATE_TRAINER_API (checked against the installed transformers below) and named in
+    the module docstring's list."""
+    from transformers import Trainer
+
+    import co2_hf.integrations.trainer as module
+
+    overridden = {
+        n for n in CO2Trainer.__dict__ if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n)
+    }
+    assert overridden <= PRIVATE_TRAINER_API.keys(), overridden - PRIVATE_TRAINER_API.keys()
+    listed = module.__doc__.split("The private Trainer methods overridden")[1]
+    assert all(f"``{name}``" in listed for name in overridden), [n for n in overridden if f"``{n}``" not in listed]
 
 
 @pytest.mark.timeout(30)
