@@ -4,6 +4,7 @@ finalize, evaluation on the anchor, non-finite workers, wire dtype, memory and c
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -356,3 +357,29 @@ def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_pat
             str(tmp_path / "README.md"), CO2Config(), plan=plan, world_size=2, device_type=device
         )
         assert f"- distributed_type: {expected}\n" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_the_coded_all_reduce_thread_keeps_the_callers_torch_thread_count():
+    """A new thread's OpenMP team is as wide as the machine whatever torch.set_num_threads said: the
+    codec's ops in the background thread spilled onto the other ranks' cores (issue 44: each rank of
+    the 2-core benchmark had its one core, and every codec op ran on both)."""
+    import ctypes
+    import glob
+
+    from co2_hf.core.comm import BackgroundWork
+
+    libraries = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    if not libraries:
+        pytest.skip("this torch build does not ship GNU OpenMP, whose per-thread width the test reads")
+    omp_max_threads = ctypes.CDLL(libraries[0]).omp_get_max_threads
+    width = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        work = BackgroundWork()
+        work.start(lambda: width.append(omp_max_threads()))
+        work.join()
+    finally:
+        torch.set_num_threads(before)
+    assert width == [1]

@@ -359,10 +359,16 @@ class BackgroundWork:
     def start(self, fn: Callable[[], None], *, after: BackgroundWork | None = None) -> None:
         """Run ``fn`` in the thread, once ``after`` (the previous coded all-reduce on the same group,
         if still running) has ended: collectives on one group must run in issue order."""
-        threading.Thread(target=self._run, args=(fn, after), name="co2-coded-all-reduce", daemon=True).start()
+        threads = torch.get_num_threads()
+        args = (fn, after, threads)
+        threading.Thread(target=self._run, args=args, name="co2-coded-all-reduce", daemon=True).start()
 
-    def _run(self, fn: Callable[[], None], after: BackgroundWork | None) -> None:
+    def _run(self, fn: Callable[[], None], after: BackgroundWork | None, threads: int) -> None:
         try:
+            # A new thread's OpenMP team is as wide as the machine whatever torch.set_num_threads said
+            # (the setting is per thread): the codec's ops would spill onto the cores of the other
+            # ranks' compute (on 2 cores with one rank each: every op on both). Keep the caller's width.
+            torch.set_num_threads(threads)
             if after is not None:
                 after.join()
             fn()
