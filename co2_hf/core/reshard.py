@@ -1,7 +1,7 @@
 """Resume on another number of workers: the outer state of G workers of k processes, re-sharded for
 G' workers of k' processes (torchrun's elastic agent restarts the survivors with a new world size).
 
-What carries over, and how (``README.md``, "Losing a node"):
+What carries over, and how (``docs/reliability.md``, "Losing a node"):
 
 - the anchor, the outer momentum, the received mean ``D`` (the completed or in-flight average,
   buffer with ``have_d``) and the `Progress` counters: exactly, re-sharded. They are the same on

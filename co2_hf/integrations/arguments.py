@@ -71,7 +71,8 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         metadata={
             "help": "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
             "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
-            "worker restarts from the anchor; not bit-identical (README, 'Losing a node'). False: refused."
+            "worker restarts from the anchor; not bit-identical (docs/reliability.md, 'Losing a node'). "
+            "False: refused."
         },
     )
 
@@ -82,8 +83,8 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         metadata={
             "help": "'torchft': each replica group (one process, its own launch) joins the torchft job that "
             "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS name; a killed one's round is dropped by "
-            "the others, who never stop, and its replacement rejoins from a live peer (README, 'Surviving "
-            "failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank."
+            "the others, who never stop, and its replacement rejoins from a live peer (docs/reliability.md, "
+            "'Surviving failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank."
         },
     )
 

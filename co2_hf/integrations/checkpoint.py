@@ -124,7 +124,7 @@ def _check_world_size(directory: str, saved: int, world_size: int) -> None:
         raise ValueError(
             f"checkpoint {directory} was saved by {saved} processes and this run has "
             f"{world_size}: an exact CO2 resume needs the same world size (the Trainer resumes on another "
-            "one with --co2_elastic true: README, 'Losing a node')"
+            "one with --co2_elastic true: docs/reliability.md, 'Losing a node')"
         )
 
 
