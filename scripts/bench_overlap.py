@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from co2_hf import CO2, CO2Config
-from co2_hf.core.comm import make_communicator
+from co2_hf.core.groups import make_communicator
 from co2_hf.core.wire import header_numel
 from co2_hf.testing import DelayedCommunicator, run_processes
 

@@ -4,7 +4,7 @@ A run is ``torchrun --nproc_per_node 2`` of this file's worker: a script as a us
 GPT-2 from a config, ``CO2Trainer``, train with evaluations and checkpoints, ``save_model``, then the
 end of the script, without ``trainer.end()``). It is clean when the launcher exits 0 and no rank
 printed ``terminate called`` (the C++ abort seen once in 19 runs before co2_hf destroyed the groups
-at exit: ``co2_hf/core/comm.py``, `_destroy_groups_at_exit`).
+at exit: ``co2_hf/core/groups.py``, `_destroy_groups_at_exit`).
 
     python scripts/exit_check.py --runs 100 --out exit_out              # prints one JSON line
     python scripts/exit_check.py --runs 20 --amplify 1000 --out exit_out  # the race made likely
@@ -22,7 +22,7 @@ keep the defaults (one fragment per inner step: the survivor stops in CO2's wait
 step 5 + i/2 mod 8, so some freezes meet a save and an evaluation); odd runs ("gather") log every step
 with one fragment and freeze right after a boundary launched its all-reduce, so the survivor stops in
 the Trainer's loss gather (torch's timeout) with CO2's all-reduce still in flight. Before co2_hf
-abandoned the groups of a failed run at exit (``co2_hf/core/comm.py``, `_abandon_groups`), the
+abandoned the groups of a failed run at exit (``co2_hf/core/groups.py``, `_abandon_groups`), the
 survivor printed its error, then hung at interpreter exit until the CO2 group's own timeout, a minute
 later, and died of ``terminate called after throwing an instance of 'gloo::IoException'``. The ranks
 are started without torchrun, whose agent would stop the survivor itself.

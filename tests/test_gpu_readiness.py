@@ -15,8 +15,9 @@ from tables import SLACK_S
 from workers import TinyNet
 
 from co2_hf import CO2, CO2Config
-from co2_hf.core import comm
-from co2_hf.core.comm import Pending, group_backend, group_timeout
+from co2_hf.core import comm, groups
+from co2_hf.core.comm import Pending
+from co2_hf.core.groups import group_backend, group_timeout
 from co2_hf.testing import run_with_faults
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ def test_every_group_co2_makes_has_the_backend_and_a_timeout_above_co2_timeout_s
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4 if group in (None, "group1") else 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    communicator = comm.make_communicator(state_device=torch.device("cpu"), timeout_s=30.0, worker_size=2)
+    communicator = groups.make_communicator(state_device=torch.device("cpu"), timeout_s=30.0, worker_size=2)
     assert [ranks for ranks, _ in made] == [None, [0, 1], [2, 3], [0, 2], [1, 3]]  # everyone, workers, outers
     for _, kwargs in made:
         assert kwargs["backend"] == "cpu:gloo,cuda:nccl"
@@ -69,11 +70,11 @@ def test_the_fsdp2_worker_mesh_is_built_from_groups_with_co2s_timeout(monkeypatc
     monkeypatch.setattr(
         device_mesh.DeviceMesh, "from_group", staticmethod(lambda group, device_type, **kw: meshes.append(group))
     )
-    comm._WORKER_MESHES.clear()
+    groups._WORKER_MESHES.clear()
     try:
-        comm.worker_mesh(2, "cpu", timeout_s=12.0)
+        groups.worker_mesh(2, "cpu", timeout_s=12.0)
     finally:
-        comm._WORKER_MESHES.clear()
+        groups._WORKER_MESHES.clear()
     assert [ranks for ranks, _ in made] == [[0, 1], [2, 3]]
     assert all(kw["timeout"] == group_timeout(12.0) for _, kw in made)
     assert meshes == [(2, 3)]  # rank 3's worker

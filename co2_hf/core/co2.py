@@ -34,8 +34,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..config import CO2Config
-from .comm import Communicator, make_communicator
+from .comm import Communicator
 from .fragment import Fragment
+from .groups import make_communicator
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
 from .live import LiveTensors, Scratch, has_dtensors, pin_state, reshard_fsdp, state_device
 from .rules import warn_about_start_rule
