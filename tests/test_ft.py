@@ -413,7 +413,7 @@ def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(t
         "--sleep=0.1",
         "--die=during:{replica}0",
     ]
-    command = [sys.executable, str(ROOT / "scripts" / "ft_launch.py"), "--replicas=3", "--join_timeout_ms=1000", "--"]
+    command = [sys.executable, "-m", "co2_hf.integrations.ft_launch", "--replicas=3", "--join_timeout_ms=1000", "--"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*command, *worker], env=env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -328,7 +328,7 @@ def test_a_replica_without_a_usable_job_secret_refuses_to_start_naming_the_varia
 
 
 def test_ft_launch_makes_a_secret_only_its_user_reads_and_removes_it(monkeypatch):
-    from scripts.ft_launch import job_secret as launcher_secret
+    from co2_hf.integrations.ft_launch import job_secret as launcher_secret
 
     for name in (SECRET_ENV, SECRET_FILE_ENV):
         monkeypatch.delenv(name, raising=False)

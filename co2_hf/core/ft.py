@@ -512,6 +512,6 @@ def _env(name: str) -> str:
     value = os.environ.get(name)
     if not value:
         raise ValueError(
-            f"CO2 on torchft needs the environment variable {name} (torchft's; scripts/ft_launch.py sets it)"
+            f"CO2 on torchft needs the environment variable {name} (torchft's; co2-ft-launch sets it)"
         )
     return value

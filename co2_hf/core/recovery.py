@@ -80,7 +80,7 @@ def job_secret() -> bytes:
         raise ValueError(
             f"CO2 on torchft needs the job's secret: set {SECRET_ENV} (at least {MIN_SECRET_BYTES} characters, the "
             f"same for every replica group) or {SECRET_FILE_ENV} (a file that only its owner can read); "
-            "scripts/ft_launch.py makes one. It authenticates the recovery transfers between the job's replicas "
+            "co2-ft-launch makes one. It authenticates the recovery transfers between the job's replicas "
             "(docs/reliability.md, 'torchft: who can reach what')"
         )
     secret = value.encode() if value else _secret_file(path)

@@ -1,7 +1,7 @@
 """CO2Trainer on torchft: ``--co2_fault_tolerance torchft`` (docs/algorithm.md section 19).
 
 Each replica group is its own launch of one process (``REPLICA_GROUP_ID=i python train.py ...``
-beside a Lighthouse that ``TORCHFT_LIGHTHOUSE`` names; ``scripts/ft_launch.py`` starts both on one
+beside a Lighthouse that ``TORCHFT_LIGHTHOUSE`` names; ``co2-ft-launch`` starts both on one
 machine). The Trainer's engine is then built by `co2_hf.core.ft.TorchFT`, and the Trainer's own
 state travels with CO2's to a replica that is behind:
 
@@ -63,7 +63,7 @@ def check_arguments(args) -> None:
         raise ValueError(
             f"{flag} with WORLD_SIZE={launch.launched_world_size()}: one process per replica group in this "
             "version. Start each replica group as its own launch of one process (REPLICA_GROUP_ID=i), "
-            "e.g. with scripts/ft_launch.py"
+            "e.g. with co2-ft-launch"
         )
     if args.load_best_model_at_end:
         raise ValueError(

@@ -1,7 +1,9 @@
 """Try CO2 on torchft on one machine: a Lighthouse and N replica groups of one command, each
 restarted when it dies (the supervisor), until every one has exited on its own.
 
-    python scripts/ft_launch.py --replicas 3 [--max_restarts 10] -- python tests/ft_workers.py --out r.jsonl
+    co2-ft-launch --replicas 3 [--max_restarts 10] -- python tests/ft_workers.py --out r.jsonl
+
+(installed with the package; ``python -m co2_hf.integrations.ft_launch`` is the same command).
 
 Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)
 and the job's secret; ``{replica}`` in the command becomes its id. The Lighthouse listens on
@@ -28,13 +30,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from co2_hf.core.recovery import SECRET_ENV, SECRET_FILE_ENV
+from ..core.recovery import SECRET_ENV, SECRET_FILE_ENV
 
 HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="co2-ft-launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--max_restarts", type=int, default=10, help="per replica")
     parser.add_argument("--join_timeout_ms", type=int, default=10_000)
