@@ -11,16 +11,23 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-START_RULES = ("anchor", "eager", "lookahead")
-PENALTY_MODES = ("gap_aware", "constant")
-COMM_DTYPES = ("float32", "bfloat16", "int8", "int4", "sparse")
-QUANT_ROUNDINGS = ("nearest", "stochastic")
+# each choice's allowed values, once: the field's type (what HfArgumentParser offers as choices) and
+# the tuple the checks name in their errors
+StartRule = Literal["anchor", "eager", "lookahead"]
+PenaltyMode = Literal["gap_aware", "constant"]
+CommDtype = Literal["float32", "bfloat16", "int8", "int4", "sparse"]
+QuantRounding = Literal["nearest", "stochastic"]
+StateDevice = Literal["same", "cpu"]
+START_RULES = get_args(StartRule)
+PENALTY_MODES = get_args(PenaltyMode)
+COMM_DTYPES = get_args(CommDtype)
+QUANT_ROUNDINGS = get_args(QuantRounding)
 CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
 SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/sparse.py)
 MAX_SPARSE_BLOCK = 256  # the sparse wire sends a kept value's position within its block as one byte
-STATE_DEVICES = ("same", "cpu")
+STATE_DEVICES = get_args(StateDevice)
 
 # The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
 # only while they stay <= 256 (bfloat16 has 8 significant bits).
@@ -102,7 +109,7 @@ class CO2Config:
         "in one round. Unset: F = tau (one fragment after every inner step), or 1 where a window "
         "(co2_overlap_steps) or co2_overlap=False is set.",
     )
-    co2_start_rule: Literal["anchor", "eager", "lookahead"] = _knob(
+    co2_start_rule: StartRule = _knob(
         "lookahead",
         "Where a round starts: 'anchor' (every worker at the shared anchor), 'eager' (the anchor "
         "minus the worker's own last outer gradient, applied at once) or 'lookahead' (where the "
@@ -120,14 +127,14 @@ class CO2Config:
         "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Full overlap only: an "
         "average applied in-round (co2_overlap_steps, more than one fragment) is not stale.",
     )
-    co2_gap_penalty_mode: Literal["gap_aware", "constant"] = _knob(
+    co2_gap_penalty_mode: PenaltyMode = _knob(
         "gap_aware",
         "'gap_aware': elementwise P = 1/max(1, lambda*|alpha*m|/mean|D|); 'constant': P = 1/max(1, lambda).",
     )
     co2_clip_threshold: float | None = _knob(
         None, "phi > 0: clip the global L2 norm of the outer momentum to phi; unset: no clipping."
     )
-    co2_comm_dtype: Literal["float32", "bfloat16", "int8", "int4", "sparse"] = _knob(
+    co2_comm_dtype: CommDtype = _knob(
         "float32",
         "What the outer all-reduce sends: 'float32', 'bfloat16', or block-quantized codes with "
         "error feedback, 'int8' (about 0.26x the bytes of float32) or 'int4' (about 0.13x), or "
@@ -163,7 +170,7 @@ class CO2Config:
         "yet sent) is multiplied by before each round's outer gradient joins it: 1 sends all of it "
         "eventually; below 1 old leftovers fade (SparseLoCo uses 0.95).",
     )
-    co2_quant_rounding: Literal["nearest", "stochastic"] = _knob(
+    co2_quant_rounding: QuantRounding = _knob(
         "nearest",
         "With co2_comm_dtype int8/int4: round each value to the 'nearest' code or 'stochastic'ally "
         "(unbiased). Error feedback carries what rounding leaves out to the next round either way.",
@@ -176,7 +183,7 @@ class CO2Config:
         "Processes per worker: k consecutive ranks train as one data-parallel worker over a fast "
         "link; CO2 runs between workers. Must divide the world size.",
     )
-    co2_state_device: Literal["same", "cpu"] = _knob(
+    co2_state_device: StateDevice = _knob(
         "same",
         "Where anchor, momentum and buffer live: 'same' as the parameters, or 'cpu' (host memory, worked on by the "
         "GPU a fragment at a time with streaming fragments: docs/gpus.md).",
