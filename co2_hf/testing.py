@@ -92,7 +92,7 @@ class FakeCommunicator(LocalCommunicator):
 
 class QuorumCommunicator(FakeCommunicator):
     """A single worker on a transport that reconfigures between rounds, as torchft does
-    (``core/ft.py``): it records ``"quorum"`` (with how many all-reduces were in flight then, which
+    (``co2_hf/torchft/``): it records ``"quorum"`` (with how many all-reduces were in flight then, which
     must be none), ``"launch"``, ``"wait"`` and ``"commit"`` events, and ``commit`` answers False
     for the launches numbered in ``drop`` (0-based): those rounds are dropped, as when a
     participant dies with the all-reduce in flight. ``on_quorum`` runs inside each quorum, where

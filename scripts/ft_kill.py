@@ -5,7 +5,7 @@
 A Lighthouse and 3 replica groups of one process each run on loopback. Each replica trains the
 micro GPT of scripts/sim_sweep.py (the GPT recipe's Shakespeare corpus, 2 plays held out) with
 AdamW, tau 12, its batches following its replica id and its step. ``co2`` is CO2 through
-`co2_hf.core.ft.TorchFT` (CO2Config's defaults but tau, ``--fragments`` and ``--comm_dtype``); ``diloco`` is
+`co2_hf.torchft.job.TorchFT` (CO2Config's defaults but tau, ``--fragments`` and ``--comm_dtype``); ``diloco`` is
 torchft's own `DiLoCo` (outer SGD lr 0.7, Nesterov 0.9, the DiLoCo paper's), on the same
 Lighthouse settings and the same recovery transport. For each method and run, a no-fault run and
 a fault run are made one after the other with the same seed. In the fault run the supervisor
@@ -94,7 +94,7 @@ def replica(a: argparse.Namespace) -> None:
     if a.spare:  # warm: imports done and model built, not yet in the job; the supervisor says when
         import torchft.local_sgd  # noqa: F401 - what joining needs, imported while waiting
 
-        import co2_hf.core.ft  # noqa: F401
+        import co2_hf.torchft  # noqa: F401
 
         sys.stdin.readline()
     record = Recorder(a.out)
@@ -115,7 +115,7 @@ def _paced(step_s: float, work):
 
 def _run_co2(a, rank, task, model, optimizer, scheduler, record):
     from co2_hf import CO2Config
-    from co2_hf.core.ft import TorchFT
+    from co2_hf.torchft.job import TorchFT
 
     config = CO2Config(co2_local_steps=a.tau, co2_fragments=a.fragments, co2_comm_dtype=a.comm_dtype)
     ft = TorchFT(config, timeout_s=a.timeout_s, quorum_timeout_s=120, start_timeout_s=120)
@@ -152,7 +152,8 @@ def _run_diloco(a, rank, task, model, optimizer, scheduler, record):
     import torch
     from torchft.local_sgd import DiLoCo
 
-    from co2_hf.core.ft import RecoveryTransport, build_manager, job_interface, job_secret
+    from co2_hf.torchft.job import build_manager, job_interface
+    from co2_hf.torchft.transport import RecoveryTransport, job_secret
 
     host, timeout = job_interface(os.environ["TORCHFT_LIGHTHOUSE"]), timedelta(seconds=a.timeout_s)
     # CO2's transport and listeners (torchft's own transport unpickles objects and serves anyone);
@@ -218,7 +219,7 @@ class Job:
         self.env.update(
             TORCHFT_LIGHTHOUSE=self.lighthouse.address(), NUM_REPLICA_GROUPS=str(a.replicas), OMP_NUM_THREADS="1"
         )
-        self.env.pop("CO2_FT_SECRET_FILE", None)  # a new secret for each job (co2_hf/core/recovery.py)
+        self.env.pop("CO2_FT_SECRET_FILE", None)  # a new secret for each job (co2_hf/torchft/transport.py)
         self.env["CO2_FT_SECRET"] = secrets.token_hex(32)
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}  # pid -> its start, as the supervisor saw it

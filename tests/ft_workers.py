@@ -25,7 +25,7 @@ import time
 import torch
 
 from co2_hf import CO2Config
-from co2_hf.core.ft import TorchFT
+from co2_hf.torchft.job import TorchFT
 
 
 def anchor_digest(co2) -> str:

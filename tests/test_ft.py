@@ -1,4 +1,4 @@
-"""CO2 on torchft (``co2_hf/core/ft.py``): replica groups killed before, during and after an outer
+"""CO2 on torchft (``co2_hf/torchft/``): replica groups killed before, during and after an outer
 all-reduce, frozen, or alone, with a real Lighthouse and real replica processes on loopback, and
 CO2Trainer with ``co2_fault_tolerance='torchft'`` killed mid-round. The
 replacement of a killed replica takes a live peer's state (no file exists to read) and every
@@ -228,14 +228,14 @@ def test_a_quorum_of_one_trains_on_alone_with_a_warning(lighthouse, tmp_path):
     ],
 )
 def test_settings_this_version_does_not_run_on_torchft_are_refused_by_name(settings, flag):
-    from co2_hf.core.ft import check_config
+    from co2_hf.torchft.job import check_config
 
     with pytest.raises(ValueError, match=flag.replace("[", r"\[")):
         check_config(CO2Config(**settings))
 
 
 def test_a_missing_torchft_variable_is_named(monkeypatch):
-    from co2_hf.core.ft import TorchFT
+    from co2_hf.torchft.job import TorchFT
 
     for name in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
         monkeypatch.delenv(name, raising=False)
@@ -361,7 +361,7 @@ def test_a_coded_round_whose_quorum_group_did_not_form_is_dropped_not_raised(quo
 
     import torch
 
-    from co2_hf.core.ft import GroupNotFormed, TorchFTCommunicator
+    from co2_hf.torchft.communicator import GroupNotFormed, TorchFTCommunicator
 
     reported = []
 
@@ -413,7 +413,7 @@ def test_the_launcher_restarts_each_killed_replica_and_its_replacement_rejoins(t
         "--sleep=0.1",
         "--die=during:{replica}0",
     ]
-    command = [sys.executable, "-m", "co2_hf.integrations.ft_launch", "--replicas=3", "--join_timeout_ms=1000", "--"]
+    command = [sys.executable, "-m", "co2_hf.torchft.launch", "--replicas=3", "--join_timeout_ms=1000", "--"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*command, *worker], env=env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The recovery transport of CO2 on torchft (``co2_hf/core/recovery.py``), one check at a time and
+"""The recovery transport of CO2 on torchft (``co2_hf/torchft/transport.py``), one check at a time and
 without a Lighthouse: a state moves only between the job's replicas, as the quorum planned, within
 the size the receiver expects, from a server that a flood cannot grow; a replica without the job's
 secret does not start. tests/test_ft.py has the rogue joiner of a real job."""
@@ -28,7 +28,7 @@ pytest.importorskip("torchft")
 import torch  # noqa: E402
 
 from co2_hf import CO2Config  # noqa: E402
-from co2_hf.core.recovery import (  # noqa: E402
+from co2_hf.torchft.transport import (  # noqa: E402
     SECRET_ENV,
     SECRET_FILE_ENV,
     Position,
@@ -182,7 +182,7 @@ def test_a_request_without_the_job_s_secret_gets_403_and_nothing_of_the_state(ca
     with another secret, or none, it gets 403 at once, and the replica says so once at WARNING."""
     with _running(_transport(0, timeout_s=1), _transport(1, secret=b"a guess at the job's secret")) as (peer, rogue):
         peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
-        with caplog.at_level(logging.WARNING, logger="co2_hf.core.recovery"):
+        with caplog.at_level(logging.WARNING, logger="co2_hf.torchft.transport"):
             for ask in (lambda: _recv(rogue, peer.metadata()), lambda: urllib.request.urlopen(peer.metadata() + "/3")):
                 start = time.monotonic()
                 with pytest.raises(urllib.error.HTTPError, match="403") as refused:
@@ -262,7 +262,7 @@ def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
     """torchft names a peer's snapshot by its step, which stays the same over many CO2 quorums
     (at the start, while rounds are dropped): a peer healing in a new quorum must never get the
     last quorum's snapshot (state of an earlier boundary), so it is withdrawn before asking."""
-    from co2_hf.core.ft import TorchFTCommunicator
+    from co2_hf.torchft.communicator import TorchFTCommunicator
 
     served_when_asking = []
     with _running(_transport(0, timeout_s=1), _transport(1)) as (peer, healer):
@@ -307,7 +307,7 @@ def test_a_replica_without_a_usable_job_secret_refuses_to_start_naming_the_varia
     env, message, tmp_path, monkeypatch
 ):
     from co2_hf import CO2TrainingArguments
-    from co2_hf.core.ft import TorchFT
+    from co2_hf.torchft.job import TorchFT
 
     secret_file = tmp_path / "secret"
     secret_file.write_text("x" * 32)
@@ -328,7 +328,7 @@ def test_a_replica_without_a_usable_job_secret_refuses_to_start_naming_the_varia
 
 
 def test_ft_launch_makes_a_secret_only_its_user_reads_and_removes_it(monkeypatch):
-    from co2_hf.integrations.ft_launch import job_secret as launcher_secret
+    from co2_hf.torchft.launch import job_secret as launcher_secret
 
     for name in (SECRET_ENV, SECRET_FILE_ENV):
         monkeypatch.delenv(name, raising=False)

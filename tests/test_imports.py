@@ -81,7 +81,7 @@ def _third_party_imports(folder: Path) -> dict[str, str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "folder, extras",
-    # the ft extra's torchft: imported by co2_hf/core/ft.py, co2_hf/integrations/ft_launch.py and tests/test_ft.py
+    # the ft extra's torchft: imported by co2_hf/torchft/ and tests/test_ft.py
     # (which skips without it)
     [("co2_hf", ("ft",)), ("recipes", ("recipes",)), ("scripts", ("recipes", "ft")), ("tests", ("test", "ft"))],
 )

@@ -251,7 +251,7 @@ def test_error_feedback_keeps_exactly_what_decoding_its_codes_leaves_out(bits, s
 
 class _ThreadGroup:
     """The coded wire's two collectives between threads of one process: a group that may change
-    from round to round, as a torchft quorum does (core/ft.py)."""
+    from round to round, as a torchft quorum does (co2_hf/torchft/)."""
 
     def __init__(self, world: int) -> None:
         self.world, self.slots, self.barrier = world, [None] * world, threading.Barrier(world)

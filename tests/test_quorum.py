@@ -1,4 +1,4 @@
-"""CO2 on a transport whose workers may change between rounds (torchft, ``co2_hf/core/ft.py``),
+"""CO2 on a transport whose workers may change between rounds (torchft, ``co2_hf/torchft/``),
 through the one-worker fake `QuorumCommunicator`: a quorum with nothing in flight before every
 launch, one commit per all-reduce, a dropped round applies nothing, and a replica that loads a live
 peer's state inside the quorum (as torchft heals one) continues exactly as that peer does. The real

@@ -251,13 +251,14 @@ def test_an_unknown_fault_tolerance_is_refused_naming_the_allowed_values(tmp_pat
 def test_torchft_without_its_extra_is_refused_naming_the_extra(tmp_path, monkeypatch):
     import sys
 
-    import co2_hf.core
+    import co2_hf
 
     # as if not installed: importing it, or any of its modules an earlier test imported, fails
     for name in ["torchft", *(n for n in list(sys.modules) if n.startswith("torchft."))]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "co2_hf.core.ft", raising=False)
-    monkeypatch.delattr(co2_hf.core, "ft", raising=False)
+    for name in [n for n in list(sys.modules) if n == "co2_hf.torchft" or n.startswith("co2_hf.torchft.")]:
+        monkeypatch.delitem(sys.modules, name)  # imported by an earlier test: imported anew, and refused
+    monkeypatch.delattr(co2_hf, "torchft", raising=False)
     with pytest.raises(ValueError, match=r"needs torchft: pip install 'co2_hf\[ft\]'"):
         make_args(str(tmp_path), co2_fault_tolerance="torchft")
 

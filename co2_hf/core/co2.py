@@ -185,13 +185,13 @@ class CO2:
 
     @torch.no_grad()
     def rejoin(self) -> bool:
-        """Join the workers of a fault-tolerant transport (``ft.py``) on start-up: the first quorum,
+        """Join the workers of a fault-tolerant transport (``co2_hf/torchft/``) on start-up: the first quorum,
         which loads a live peer's state when the others have trained already, then, if that peer
         sent it from inside a boundary, that boundary (the one the others are running). Returns
         whether a boundary ran. With every worker starting together, from scratch or from one
         checkpoint (whose clock's boundaries ran before it was saved), nothing is due."""
         if not self.comm.reconfigures:
-            raise RuntimeError("CO2.rejoin needs a fault-tolerant communicator (co2_hf.core.ft)")
+            raise RuntimeError("CO2.rejoin needs a fault-tolerant communicator (co2_hf.torchft)")
         return self._run(self._due_now()) if self._start_quorum() else False
 
     def _due_now(self) -> list:

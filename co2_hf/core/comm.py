@@ -16,7 +16,7 @@ The engine needs these eight verbs (``docs/algorithm.md``, "Communication"), and
 - ``worker_all_reduce_``: a blocking SUM over the processes of one worker (its gradients, every
   step, when ``co2_worker_size > 1``);
 
-and two that only a transport whose workers may come and go implements (torchft, ``ft.py``; the
+and two that only a transport whose workers may come and go implements (torchft, ``co2_hf/torchft/``; the
 others keep the defaults, False and True): ``start_quorum`` before a boundary's launch (the
 round's participants; may load a live peer's state, and says whether that peer was at a boundary),
 ``commit`` after a wait (may the result be applied, or was the round dropped).
@@ -79,7 +79,7 @@ class Pending:
     completed_at: list[float] = field(default_factory=list)
     waited: bool = False
     # how many workers take part in this all-reduce (None: every worker); a fault-tolerant
-    # transport's quorum may hold fewer (ft.py)
+    # transport's quorum may hold fewer (co2_hf/torchft/)
     senders: int | None = None
     # CUDA tensors: (before launch, after completion) and (before wait, after wait), see the module docstring
     launch_events: tuple[Any, Any] | None = None
@@ -152,7 +152,7 @@ class Communicator:
     def worker_all_reduce_(self, tensor: Tensor) -> None:
         pass
 
-    # A transport whose group of workers may change between rounds (torchft: ``ft.py``) sets
+    # A transport whose group of workers may change between rounds (torchft: ``co2_hf/torchft/``) sets
     # ``reconfigures``: CO2 then receives every all-reduce in flight before a boundary and calls
     # ``start_quorum`` (which may load a live peer's state into this process) before launching;
     # ``commit`` says whether a received all-reduce may be applied (False: the round is dropped).

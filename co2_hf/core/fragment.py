@@ -12,7 +12,7 @@ is the whole contract between them; CO2 never reaches inside:
 - ``finish()``: end of training, after the last boundary: wait, apply, start from the anchor;
 - ``drain()``: complete the all-reduce in flight outside a boundary (before a checkpoint);
 - ``receive()``: complete it ahead of a boundary, its wait counted as that boundary's (a transport
-  that reconfigures its group between rounds, torchft: ``core/ft.py``);
+  that reconfigures its group between rounds, torchft: ``co2_hf/torchft/``);
 - ``restart()``: start this round again from its start point (this worker's outer gradient was not
   finite somewhere: the engine restarts every fragment once it learns of it);
 - read-only: ``pending`` / ``in_flight``, ``last_wait_s``, ``last_comm_s``, ``wire``, ``boundary_step``;
@@ -390,7 +390,7 @@ class Fragment:
         self._last_comm = pending.comm_time()
         self._comm_times.append(self._last_comm)
         # a fault-tolerant transport may drop the round (a participant died with it in flight):
-        # then nothing is applied and the anchor and the momentum stay as they were (core/ft.py)
+        # then nothing is applied and the anchor and the momentum stay as they were (co2_hf/torchft/)
         self.progress.have_d = self._comm.commit(pending)
         if self.progress.have_d:
             self._read_mean(pending.senders)

@@ -196,7 +196,7 @@ class QuantizedWire:
         self.owned = ErrorFeedback(padded // world, **self._zeros)
 
     def _regroup(self, world: int, rank: int) -> None:
-        """The all-reduce's group changed (a torchft quorum, ``core/ft.py``): this rank now sums another
+        """The all-reduce's group changed (a torchft quorum, ``co2_hf/torchft/``): this rank now sums another
         slice, of another length. What ``owned`` kept of its old slice is added into ``sent`` at that
         slice's place, so that this rank sends it next round and the sum over rounds loses nothing;
         both residuals then take the new lengths (``sent`` keeps its values: those past ``numel`` are

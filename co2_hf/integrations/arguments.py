@@ -129,7 +129,7 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
 def _workers_launched(args: CO2TrainingArguments) -> int:
     """The processes CO2's workers span: this launch's, or on torchft every replica group's."""
     if args.co2_fault_tolerance == "torchft":
-        from ..core.ft import job_from_env
+        from ..torchft.job import job_from_env
 
         return job_from_env()[2]
     return launch.launched_world_size()

@@ -2,7 +2,7 @@
 
 Each replica group is its own launch of one process (``REPLICA_GROUP_ID=i python train.py ...``
 beside a Lighthouse that ``TORCHFT_LIGHTHOUSE`` names; ``co2-ft-launch`` starts both on one
-machine). The Trainer's engine is then built by `co2_hf.core.ft.TorchFT`, and the Trainer's own
+machine). The Trainer's engine is then built by `co2_hf.torchft.job.TorchFT`, and the Trainer's own
 state travels with CO2's to a replica that is behind:
 
 - a replacement (a process that starts while the others train) takes a live peer's model,
@@ -53,7 +53,7 @@ def check_arguments(args) -> None:
     if not args.co2_enabled:
         raise ValueError(f"{flag} needs co2_enabled=True")
     try:
-        from ..core import ft
+        from ..torchft import job as ft
     except ImportError as error:
         raise ValueError(f"{flag} needs torchft: pip install 'co2_hf[ft]'") from error
     ft.check_config(args)
@@ -84,7 +84,7 @@ class Replica:
     Trainer's state, and says where a replacement resumes in its data."""
 
     def __init__(self, trainer) -> None:
-        from ..core import ft
+        from ..torchft import job as ft
 
         self.trainer = trainer
         _, self.replica_id, self.num_replicas = ft.job_from_env()
@@ -127,7 +127,7 @@ class Replica:
 
     def build(self, model, optimizer) -> CO2:
         """CO2 for this replica group, not joined to the job yet (a checkpoint loads first)."""
-        from ..core.ft import TorchFT
+        from ..torchft.job import TorchFT
 
         trainer = self.trainer
         self.ft = TorchFT(trainer.co2_config, timeout_s=trainer.args.co2_timeout_s)
@@ -138,8 +138,8 @@ class Replica:
         return self.ft.build(model, optimizer, state=state)
 
     def own_state(self, saved: dict) -> dict:
-        """CO2's state from a checkpoint (replica group 0's), as this group's (`core.ft.own_state`)."""
-        from ..core.ft import own_state
+        """CO2's state from a checkpoint (replica group 0's), as this group's (`torchft.job.own_state`)."""
+        from ..torchft.job import own_state
 
         return own_state(self.trainer.co2, saved)
 

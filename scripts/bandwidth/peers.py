@@ -2,7 +2,7 @@
 
 - ``torchft_diloco`` and ``torchft_streaming``: torchft's ``DiLoCo`` (``torchft.local_sgd``), one
   Lighthouse (served by rank 0, on its node's address) and one replica group per rank, each a
-  torchft ``Manager`` as this project builds one (``co2_hf.core.ft.build_manager``: torchft's
+  torchft ``Manager`` as this project builds one (``co2_hf.torchft.job.build_manager``: torchft's
   Manager and reconfigurable gloo group with every listener on the node's address, and the signed
   recovery transport instead of torchft's, which unpickles what it receives). ``torchft_diloco``:
   one fragment, the whole model, ``fragment_sync_delay=0`` (the default: the round's all-reduce
@@ -93,7 +93,8 @@ class TorchFTLoop(Loop):
         import torch
         from torchft.local_sgd import DiLoCo
 
-        from co2_hf.core.ft import RecoveryTransport, build_manager, job_interface
+        from co2_hf.torchft.job import build_manager, job_interface
+        from co2_hf.torchft.transport import RecoveryTransport
 
         super().__init__(model, optimizer)
         lighthouse, secret, self._server = _serve_lighthouse(rank)

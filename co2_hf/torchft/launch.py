@@ -3,7 +3,7 @@ restarted when it dies (the supervisor), until every one has exited on its own.
 
     co2-ft-launch --replicas 3 [--max_restarts 10] -- python tests/ft_workers.py --out r.jsonl
 
-(installed with the package; ``python -m co2_hf.integrations.ft_launch`` is the same command).
+(installed with the package; ``python -m co2_hf.torchft.launch`` is the same command).
 
 Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)
 and the job's secret; ``{replica}`` in the command becomes its id. The Lighthouse listens on
@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from ..core.recovery import SECRET_ENV, SECRET_FILE_ENV
+from .transport import SECRET_ENV, SECRET_FILE_ENV
 
 HOST = "127.0.0.1"
 
