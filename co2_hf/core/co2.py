@@ -114,7 +114,7 @@ class CO2:
         self._momentum = torch.zeros(n, **zeros)
         self.optimizer = optimizer  # a worker found non-finite has its state cleared
         self._tally = Tally(len(self.layout.fragment_edges) - 1, compute)  # what the device counts (tally.py)
-        self._seen = [[0.0] * 2 for _ in range(len(self.layout.fragment_edges) - 1)]  # non-finite, out of step
+        self._nonfinite_seen = [0.0] * (len(self.layout.fragment_edges) - 1)  # per fragment: warned up to here
         self.fragments = self._make_fragments(pinned)
         warn_about_start_rule(self.plan)
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
@@ -244,8 +244,8 @@ class CO2:
         if rows is None:
             return
         limit = self.config.co2_max_skipped_rounds
-        for part, row, seen in zip(self.fragments, rows, self._seen):
-            if row[OUT_OF_STEP] > seen[1]:
+        for f, (part, row) in enumerate(zip(self.fragments, rows)):
+            if row[OUT_OF_STEP] > 0:  # training stops at the first
                 raise RuntimeError(
                     f"CO2: ranks out of step at round {int(row[OUT_OF_STEP_ROUND])}: the outer all-reduce mixed "
                     "different rounds (every rank must call CO2.step() once per inner step)"
@@ -255,8 +255,8 @@ class CO2:
                     f"CO2: no worker had a finite outer gradient for {int(row[CONSECUTIVE_SKIPPED])} "
                     f"consecutive rounds (co2_max_skipped_rounds={limit}); stopping"
                 )
-            if row[NONFINITE] > seen[0]:
-                seen[0] = row[NONFINITE]
+            if row[NONFINITE] > self._nonfinite_seen[f]:
+                self._nonfinite_seen[f] = row[NONFINITE]
                 self._quarantine(part, int(row[NONFINITE_ROUND]))
 
     def _quarantine(self, found: Fragment, round_index: int) -> None:

@@ -104,8 +104,9 @@ def record_send_(row: Tensor, *, finite: Tensor, round_index: int) -> None:
 def record_direction_(row: Tensor, applied: Tensor, *values: Tensor) -> None:
     """An average turned into a step: ``values`` are the `DIRECTION_COLUMNS` (norm of D, norm of the
     clipped momentum, clip ratio, penalty sum and elements), counted where ``applied`` (0 or 1)."""
-    row[APPLIED].add_(applied.double())
-    row[DIRECTION_COLUMNS].add_(torch.stack(values).double() * applied.double())
+    applied = applied.double()
+    row[APPLIED].add_(applied)
+    row[DIRECTION_COLUMNS].add_(torch.stack(values).double() * applied)
 
 
 def _means(row: list[float]) -> dict[str, float]:

@@ -189,7 +189,7 @@ class CO2Accelerate:
         if transformers_model:
             self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
         elif accelerator.is_main_process:
-            _save_module(self.module if state is None else state, output_dir)
+            _save_module(self.module.state_dict() if state is None else state, output_dir)
         if accelerator.is_main_process:
             card = os.path.join(output_dir, "README.md")
             about = dict(base_model=base_model, dataset=dataset, license=license, pipeline_tag=pipeline_tag)
@@ -360,13 +360,12 @@ def _check_launch(accelerator: Any, config: CO2Config) -> None:
     config.check_world(accelerator.num_processes)
 
 
-def _save_module(weights: torch.nn.Module | dict, output_dir: str) -> None:
-    """``model.safetensors`` of a module without ``save_pretrained`` (or of its anchor state dict),
-    tied tensors stored once, as ``accelerator.save_model`` stores them."""
+def _save_module(state: dict, output_dir: str) -> None:
+    """``model.safetensors`` of the state dict of a module without ``save_pretrained``, tied tensors
+    stored once, as ``accelerator.save_model`` stores them."""
     from accelerate.utils import clean_state_dict_for_safetensors
     from safetensors.torch import save_file
 
-    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     os.makedirs(output_dir, exist_ok=True)
     state = clean_state_dict_for_safetensors({k: v.detach().contiguous() for k, v in state.items()})
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
