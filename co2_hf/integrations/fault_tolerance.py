@@ -53,12 +53,12 @@ def check_arguments(args) -> None:
     if not args.co2_enabled:
         raise ValueError(f"{flag} needs co2_enabled=True")
     try:
-        from ..torchft import job as ft
+        from ..torchft import job, transport
     except ImportError as error:
         raise ValueError(f"{flag} needs torchft: pip install 'co2_hf[ft]'") from error
-    ft.check_config(args)
-    ft.job_from_env()
-    ft.job_secret()
+    job.check_config(args)
+    job.job_from_env()
+    transport.job_secret()
     if launch.launched_world_size() != 1:
         raise ValueError(
             f"{flag} with WORLD_SIZE={launch.launched_world_size()}: one process per replica group in this "
