@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .core.comm import Communicator, LocalCommunicator, Pending
+from ..core.comm import Communicator, LocalCommunicator, Pending
 
 
 class FakeCommunicator(LocalCommunicator):
@@ -401,10 +401,15 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+# the frames of this package are the trace's own, never the code it traces
+_PACKAGE = os.path.join("co2_hf", "testing", "")
+
+
 def _caller() -> str:
-    """The innermost frame inside co2_hf (else the innermost), as ``file:line function``."""
+    """The innermost frame inside co2_hf but outside this package (else the innermost), as
+    ``file:line function``."""
     frames = traceback.extract_stack()[:-2]
-    inside = [f for f in frames if "co2_hf" in f.filename and not f.filename.endswith("testing.py")]
+    inside = [f for f in frames if "co2_hf" in f.filename and _PACKAGE not in f.filename]
     frame = (inside or frames)[-1]
     return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
 
