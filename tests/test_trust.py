@@ -65,10 +65,9 @@ def test_a_hostile_rank_file_with_a_matching_manifest_is_refused_before_it_runs(
 def test_co2_files_never_load_with_weights_only_false():
     root = os.path.join(os.path.dirname(__file__), "..", "co2_hf")
     for base, _, files in os.walk(root):
-        if os.path.basename(base) == "testing":  # co2_hf.testing reads its own workers' results
-            continue
         for name in files:
-            if name.endswith(".py"):
+            # the test launcher (co2_hf.testing) reads its own workers' results
+            if name.endswith(".py") and (os.path.basename(base), name) != ("testing", "processes.py"):
                 with open(os.path.join(base, name)) as f:
                     assert "weights_only=False" not in f.read(), name
 
