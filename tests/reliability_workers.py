@@ -126,7 +126,7 @@ def nan_suite(rank: int, world: int) -> dict:
 
 # ---------------------------------------------------------------- peers that die or freeze
 
-# (signal, when, wire): the quantized wire's all-reduce runs in a thread of its own (core/comm.py),
+# (signal, when, wire): the quantized wire's all-reduce runs in a thread of its own (core/waits.py),
 # so a peer lost with one in flight is checked there too
 FAULTS = [(signame, when, "float32") for signame in ("SIGKILL", "SIGSTOP") for when in ("mid_round", "in_flight")]
 FAULTS += [(signame, "in_flight", "int8") for signame in ("SIGKILL", "SIGSTOP")]

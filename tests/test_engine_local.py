@@ -367,7 +367,7 @@ def test_the_coded_all_reduce_thread_keeps_the_callers_torch_thread_count():
     import ctypes
     import glob
 
-    from co2_hf.core.comm import BackgroundWork
+    from co2_hf.core.waits import BackgroundWork
 
     libraries = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
     if not libraries:

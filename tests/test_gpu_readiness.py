@@ -15,7 +15,7 @@ from tables import SLACK_S
 from workers import TinyNet
 
 from co2_hf import CO2, CO2Config
-from co2_hf.core import comm, groups
+from co2_hf.core import groups, waits
 from co2_hf.core.comm import Pending
 from co2_hf.core.groups import group_backend, group_timeout
 from co2_hf.testing import run_with_faults
@@ -156,14 +156,14 @@ class _Work:
 
 def test_a_cuda_collective_is_polled_until_done_then_joined_on_the_stream():
     work = _Work(done_after_polls=3)
-    comm._bounded_wait(work, _CudaLike(), timeout_s=5.0)
+    waits.bounded_wait(work, _CudaLike(), timeout_s=5.0)
     assert work.polls == 4 and work.joined
 
 
 def test_a_cuda_collective_that_never_completes_raises_at_the_deadline_not_later():
     work, start = _Work(done_after_polls=None), time.monotonic()
     with pytest.raises(RuntimeError, match="timed out after 0.3s"):
-        comm._bounded_wait(work, _CudaLike(), timeout_s=0.3)
+        waits.bounded_wait(work, _CudaLike(), timeout_s=0.3)
     assert 0.3 <= time.monotonic() - start < 2.0 and not work.joined
 
 

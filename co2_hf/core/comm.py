@@ -24,10 +24,11 @@ round's participants; may load a live peer's state, and says whether that peer w
 `ProcessGroupCommunicator` implements them over a process group of CO2's own, issued from the
 main thread with ``async_op=True``. The one exception is ``launch_coded``: the quantized
 all-reduce is two collectives with a decode, a sum and an encode between them, which no single
-async collective expresses, so it runs in a daemon thread (one at a time: one fragment is in flight
-at most, except at ``finalize``, when each starts after the one before it), the only user of the
-outer group while it runs; on CUDA tensors on a side stream. `LocalCommunicator` is the single-worker
-case, where every all-reduce is the identity. Tests inject fakes (``co2_hf.testing``).
+async collective expresses, so it runs in a daemon thread (`BackgroundWork`, ``waits.py``; one at
+a time: one fragment is in flight at most, except at ``finalize``, when each starts after the one
+before it), the only user of the outer group while it runs; on CUDA tensors on a side stream.
+`LocalCommunicator` is the single-worker case, where every all-reduce is the identity. Tests inject
+fakes (``co2_hf.testing``).
 
 Timing. On CPU tensors (gloo) an all-reduce's completion is stamped on the host by its future's
 callback, which gloo runs when the transfer ends. NCCL completes that future when the work is
@@ -52,8 +53,6 @@ the group timeout.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -66,6 +65,7 @@ from torch import Tensor
 
 from .collectives import Collectives, GroupCollectives
 from .tally import Seconds
+from .waits import BackgroundWork, block_current_stream, bounded_wait, record_event
 
 
 @dataclass
@@ -234,20 +234,20 @@ class ProcessGroupCommunicator(Communicator):
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor)
-        start = _record_event(tensor)
+        start = record_event(tensor)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         pending.work = work
         if start is None:  # gloo: the future completes when the transfer does
             work.get_future().then(lambda _: pending.completed_at.append(time.perf_counter()))
         else:  # NCCL completes the future at enqueue: time on a side stream that waits for the work
             with torch.cuda.stream(self._side_stream(tensor.device)):
-                _block_current_stream(work)
-                pending.launch_events = (start, _record_event(tensor))
+                block_current_stream(work)
+                pending.launch_events = (start, record_event(tensor))
         return pending
 
     def launch_coded(self, tensor: Tensor, reduce_: Callable[[Collectives], None]) -> Pending:
         pending = Pending(tensor)
-        ready = _record_event(tensor)  # CUDA: the buffer is written when the compute stream gets here
+        ready = record_event(tensor)  # CUDA: the buffer is written when the compute stream gets here
         side = self._side_stream(tensor.device) if tensor.is_cuda else None
         # the previous coded all-reduce, still running when finalize launches several fragments:
         # collectives on one group must run in issue order, so this one starts after it
@@ -260,7 +260,7 @@ class ProcessGroupCommunicator(Communicator):
                     side.wait_event(ready)
                 reduce_(self._collectives)
                 if side is not None:
-                    work.done_event = _record_event(tensor)  # on the side stream: all of it
+                    work.done_event = record_event(tensor)  # on the side stream: all of it
                     pending.launch_events = (ready, work.done_event)
             pending.completed_at.append(time.perf_counter())
 
@@ -269,14 +269,14 @@ class ProcessGroupCommunicator(Communicator):
 
     def wait(self, pending: Pending, timeout_s: float) -> None:
         pending.mark_waited()
-        before = _record_event(pending.tensor)
+        before = record_event(pending.tensor)
         try:
-            _bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
+            bounded_wait(pending.work, pending.tensor, timeout_s)  # raises; the engine names the round
         except RuntimeError:
             self.failed = True
             raise
         if before is not None:
-            pending.wait_events = (before, _record_event(pending.tensor))
+            pending.wait_events = (before, record_event(pending.tensor))
 
     def all_reduce_(self, tensor: Tensor) -> None:
         group = self.group if self.sharded_params else self.everyone
@@ -313,14 +313,14 @@ class ProcessGroupCommunicator(Communicator):
         anchor all-gathers inside a worker): on CUDA it only joins the compute stream (a host wait
         there would stall the GPU; module docstring, "Timeouts"), elsewhere `_finish`."""
         if tensor.is_cuda:
-            _block_current_stream(work)
+            block_current_stream(work)
         else:
             self._finish(work, tensor, what)
 
     def _finish(self, work: Any, tensor: Tensor, what: str) -> None:
         """Wait for a collective on the host, ``co2_timeout_s`` at most; else CO2's error naming it."""
         try:
-            _bounded_wait(work, tensor, self.timeout_s)
+            bounded_wait(work, tensor, self.timeout_s)
         except RuntimeError as error:
             self.failed = True
             raise RuntimeError(
@@ -331,95 +331,12 @@ class ProcessGroupCommunicator(Communicator):
     def settled(self) -> bool:
         """No collective of CO2's failed, and no coded all-reduce is still running."""
         background = self._last_background
-        return not self.failed and (background is None or background._done.wait(BACKGROUND_EXIT_WAIT_S))
+        return not self.failed and (background is None or background.ended_within(BACKGROUND_EXIT_WAIT_S))
 
     def _side_stream(self, device: torch.device) -> Any:
         if device not in self._side_streams:
             self._side_streams[device] = torch.cuda.Stream(device)
         return self._side_streams[device]
-
-
-POLL_S = 2e-4  # the host's poll interval while a CUDA collective is in flight at a boundary
-
-
-class BackgroundWork:
-    """``fn`` run in a daemon thread, with the three methods of a collective's work that
-    `_bounded_wait` uses, so that it waits for both alike. Daemon: a thread stuck in a collective
-    with a dead peer must not keep a failing process alive. On CUDA the thread ends once its work
-    is queued on the side stream; it is complete when the side stream's last event is."""
-
-    def __init__(self) -> None:
-        self._done, self._error = threading.Event(), None
-        self.done_event: Any = None  # CUDA: recorded on the side stream after the last collective
-
-    def start(self, fn: Callable[[], None], *, after: BackgroundWork | None = None) -> None:
-        """Run ``fn`` in the thread, once ``after`` (the previous coded all-reduce on the same group,
-        if still running) has ended: collectives on one group must run in issue order."""
-        threads = torch.get_num_threads()
-        args = (fn, after, threads)
-        threading.Thread(target=self._run, args=args, name="co2-coded-all-reduce", daemon=True).start()
-
-    def _run(self, fn: Callable[[], None], after: BackgroundWork | None, threads: int) -> None:
-        try:
-            # A new thread's OpenMP team is as wide as the machine whatever torch.set_num_threads said
-            # (the setting is per thread): the codec's ops would spill onto the cores of the other
-            # ranks' compute (on 2 cores with one rank each: every op on both). Keep the caller's width.
-            torch.set_num_threads(threads)
-            if after is not None:
-                after.join()
-            fn()
-        except BaseException as error:  # handed to the waiting thread, which raises it
-            self._error = error
-        finally:
-            self._done.set()
-
-    def wait(self, timeout: datetime.timedelta) -> None:
-        if not self._done.wait(timeout.total_seconds()):
-            raise RuntimeError(f"timed out after {timeout.total_seconds()}s")
-        if self._error is not None:
-            raise RuntimeError(f"{type(self._error).__name__}: {self._error}") from self._error
-
-    def is_completed(self) -> bool:
-        return self._done.is_set() and (self.done_event is None or self.done_event.query())
-
-    def block_current_stream(self) -> None:
-        """CUDA: the current stream waits for the side stream's last event (the thread's error, if any,
-        is raised instead)."""
-        self.wait(datetime.timedelta(0))
-        torch.cuda.current_stream().wait_event(self.done_event)
-
-    def join(self) -> None:
-        """Until the thread has ended (its errors are for its own waiter to raise)."""
-        self._done.wait()
-
-
-def _bounded_wait(work: Any, tensor: Tensor, timeout_s: float) -> None:
-    """Block the host until ``work`` is done, ``timeout_s`` at most (RuntimeError past it); on CUDA
-    tensors the compute stream then waits for it too (which returns at once: it is done)."""
-    if not tensor.is_cuda:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        return
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():  # also True once the watchdog has set an error, which wait() raises
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s}s")
-        time.sleep(POLL_S)
-    _block_current_stream(work)
-
-
-def _block_current_stream(work: Any) -> None:
-    """Make the current CUDA stream wait for ``work`` without blocking the host (torch >= 2.7 names it
-    ``block_current_stream``; ``synchronize`` is the same for NCCL on older versions)."""
-    (getattr(work, "block_current_stream", None) or work.synchronize)()
-
-
-def _record_event(tensor: Tensor) -> Any:
-    """A timing CUDA event recorded now on the current stream of ``tensor``'s device; None on CPU."""
-    if not tensor.is_cuda:
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
 
 
 # ---------------------------------------------------------------------- open communicators
