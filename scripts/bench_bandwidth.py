@@ -1,6 +1,7 @@
 """Throughput and hidden communication on bandwidth-limited links: data parallel, local SGD, DiLoCo, CO2.
 
-    sudo .venv/bin/python scripts/bench_bandwidth.py --out bench_bandwidth.jsonl --plot docs/bench_bandwidth.png
+    sudo .venv/bin/python scripts/bench_bandwidth.py --out results/bench_bandwidth.jsonl \
+        --plot docs/bench_bandwidth.png
     python scripts/bench_bandwidth.py --dry-run      # the plan, its estimate and every ip/tc command; no root
     python scripts/bench_bandwidth.py --loopback --rates unshaped --model tiny   # no namespaces, no root
     python scripts/bench_bandwidth.py --help         # what it measures, every field of its JSON lines

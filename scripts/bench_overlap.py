@@ -1,6 +1,6 @@
 """Is CO2's outer all-reduce really hidden behind computation? Two processes, one GPT-2 style model.
 
-    python scripts/bench_overlap.py [--tau 12] [--rounds 7] [--out bench_overlap.jsonl]
+    python scripts/bench_overlap.py [--tau 12] [--rounds 7] [--out results/bench_overlap.jsonl]
 
 Prints one JSON line per configuration, measured in one invocation so the figures compare:
 

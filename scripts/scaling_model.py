@@ -1,7 +1,7 @@
 """An analytic model of step time for data parallel, local SGD / DiLoCo and CO2 on slow links.
 
     python scripts/scaling_model.py                                   # the paper's setting
-    python scripts/scaling_model.py --measured bench_bandwidth.jsonl  # first, the model vs a benchmark
+    python scripts/scaling_model.py --measured results/bench_bandwidth.jsonl  # first, the model vs a benchmark
 
 Inputs: compute time per step ``c``, parameter count ``P``, bytes per element on the wire, link
 bandwidth ``B`` (bits/s per node, full duplex), worker count ``G`` and ``tau``. A ring all-reduce

@@ -343,13 +343,13 @@ def test_the_comparison_gives_medians_ranges_and_ratios_within_each_repeat(tmp_p
     assert "| torchft 0.2.0 DiLoCo | **0.80 (0.60-0.90)** | 1.19 (1.00-1.65) | - / - / 4.00 |" in rows[4]
     doc = tmp_path / "performance.md"
     doc.write_text(f"before\n{compare.BEGIN}\nstale\n{compare.END}\nafter\n")
-    compare.write_doc(str(doc), lines, "docs/x.jsonl")
+    compare.write_doc(str(doc), lines, "results/x.jsonl")
     text = doc.read_text()
     assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
-    assert "Measured 2026-12-04" in text and "--table docs/x.jsonl --doc" in text and rows[4] in text
+    assert "Measured 2026-12-04" in text and "--table results/x.jsonl --doc" in text and rows[4] in text
     doc.write_text("no markers")
     with pytest.raises(SystemExit, match="--doc .* no .* markers"):
-        compare.write_doc(str(doc), lines, "docs/x.jsonl")
+        compare.write_doc(str(doc), lines, "results/x.jsonl")
 
 
 @pytest.mark.timeout(20)

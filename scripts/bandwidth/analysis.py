@@ -1,4 +1,4 @@
-"""From the ranks' raw timings to the JSON lines and the README's table.
+"""From the ranks' raw timings to the JSON lines and the tables of docs/performance.md.
 
 Steady state: a run's first and last round are excluded (a round is tau steps; one step for ddp).
 Every number is the slowest rank's: a method that synchronises runs at its pace, so the limit of a

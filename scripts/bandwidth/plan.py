@@ -18,7 +18,7 @@ from ..bench_overlap import MODEL
 from ..scaling_model import gpt2_params, ring_allreduce_s, step_time_s
 from .netns import SUBNET, node_dev, node_ns, rate_bps
 
-CO2_SETTINGS = {  # the README's table of methods
+CO2_SETTINGS = {  # the methods as docs/accelerate.md tables them ("The methods it covers")
     "local_sgd": dict(co2_overlap=False, co2_outer_lr=1.0, co2_outer_momentum=0.0),
     "diloco": dict(co2_overlap=False, co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
     # full overlap: the whole model's all-reduce hides behind the next round

@@ -1,4 +1,5 @@
-"""The README's figure: tokens/s relative to the no-communication limit against link rate."""
+"""The figure of docs/performance.md (docs/bench_bandwidth.png): tokens/s relative to the
+no-communication limit against link rate."""
 
 from __future__ import annotations
 
