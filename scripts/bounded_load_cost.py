@@ -1,4 +1,4 @@
-"""What a hostile checkpoint file costs to load, and what refusing it costs (co2_hf/integrations/bounded.py).
+"""What a hostile checkpoint file costs to load, and what refusing it costs (co2_hf/checkpoints/bounded.py).
 
 Two files of the forms issue 42 found: a zip whose pickle entry is deflate-compressed zeros (it
 inflates to ``--inflate_mib``), and a stored zip whose pickle is ``--pickle_mib`` of opcodes that each
@@ -23,7 +23,7 @@ MEASURE = """
 import resource, sys, time
 action, path = sys.argv[1], sys.argv[2]
 import torch
-from co2_hf.integrations import bounded
+from co2_hf.checkpoints import bounded
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 try:

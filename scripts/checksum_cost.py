@@ -24,14 +24,14 @@ import zlib
 
 import torch
 
-from co2_hf.integrations import publish
+from co2_hf.checkpoints import manifest
 
 CANDIDATES = ("sha256", "blake2b", "sha1", "crc32")
 
 
 def streamed(path: str, algorithm: str) -> str:
-    """The same streaming as `publish.file_checksum`, for each candidate."""
-    buffer = bytearray(publish.CHECKSUM_BLOCK)
+    """The same streaming as `manifest.file_checksum`, for each candidate."""
+    buffer = bytearray(manifest.CHECKSUM_BLOCK)
     view = memoryview(buffer)
     crc, digest = 0, None if algorithm == "crc32" else hashlib.new(algorithm)
     with open(path, "rb", buffering=0) as f:
@@ -60,11 +60,11 @@ def measure(directory: str, mb: int, repeats: int) -> dict:
 
     for _ in range(repeats):
         keep("torch.save", timed(torch.save, state, path))
-        keep("file_checksum after save", timed(publish.file_checksum, path))
+        keep("file_checksum after save", timed(manifest.file_checksum, path))
         for algorithm in CANDIDATES:
             keep(algorithm, timed(streamed, path, algorithm))
         keep("torch.load", timed(torch.load, path, "cpu"))
-        keep("file_checksum after load", timed(publish.file_checksum, path))
+        keep("file_checksum after load", timed(manifest.file_checksum, path))
     size_gb = os.path.getsize(path) / 1e9
     # the leader also hashes the model (4 bytes per parameter in fp32, against about 24 in a rank
     # file) and rank 0's AdamW state (8): one after the other, or a few at a time (`_checksums`)
@@ -72,8 +72,8 @@ def measure(directory: str, mb: int, repeats: int) -> dict:
     for name, share in zip(names[1:], (4 / 24, 8 / 24)):
         torch.save({k: v[: int(v.numel() * share)].clone() for k, v in state.items()}, os.path.join(directory, name))
     for _ in range(repeats):
-        keep("leader, one at a time", sum(timed(publish.file_checksum, os.path.join(directory, n)) for n in names))
-        keep("leader, threaded", timed(publish._checksums, directory, names))
+        keep("leader, one at a time", sum(timed(manifest.file_checksum, os.path.join(directory, n)) for n in names))
+        keep("leader, threaded", timed(manifest._checksums, directory, names))
     leader_gb = sum(os.path.getsize(os.path.join(directory, n)) for n in names) / 1e9
     for name in names:
         os.remove(os.path.join(directory, name))
@@ -84,7 +84,7 @@ def measure(directory: str, mb: int, repeats: int) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "s_per_gb": {a: round(best[a] / size_gb, 3) for a in CANDIDATES},
         "mb_per_s": {a: round(size_gb * 1e3 / best[a]) for a in CANDIDATES},
-        "chosen": publish.CHECKSUM,
+        "chosen": manifest.CHECKSUM,
         "save_s": round(best["torch.save"], 3),
         "hash_s": round(hash_s, 3),
         "save_overhead": round(hash_s / best["torch.save"], 3),
@@ -108,13 +108,13 @@ def main() -> None:
     for algorithm in CANDIDATES:
         print(f"{algorithm:8s} {result['mb_per_s'][algorithm]:6d} MB/s  {result['s_per_gb'][algorithm]:.3f} s/GB")
     print(
-        f"{result['file_gb']} GB file: torch.save {result['save_s']} s + {publish.CHECKSUM} {result['hash_s']} s "
+        f"{result['file_gb']} GB file: torch.save {result['save_s']} s + {manifest.CHECKSUM} {result['hash_s']} s "
         f"({100 * result['save_overhead']:.0f}%); torch.load {result['load_s']} s + verify {result['verify_s']} s "
         f"({100 * result['load_overhead']:.0f}%)"
     )
     print(
         f"leader's rank file + model + optimizer ({result['leader_files_gb']} GB): one at a time "
-        f"{result['leader_sequential_s']} s, {publish.HASH_THREADS} threads {result['leader_threaded_s']} s"
+        f"{result['leader_sequential_s']} s, {manifest.HASH_THREADS} threads {result['leader_threaded_s']} s"
     )
     print(json.dumps(result))
 

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-from co2_hf.integrations.publish import staged_parts
+from co2_hf.checkpoints.publish import staged_parts
 from co2_hf.testing import HF_PRELOAD, run_with_faults
 
 SAVE_PHASES = ("rank_file", "publish", "rename")  # where a kill inside a save lands
@@ -95,7 +95,7 @@ def _arm(trainer, fault: dict, out: str) -> None:
     """Make this rank signal itself at ``fault["step"]``, after the optimizer step or inside the save."""
     from transformers import TrainerCallback
 
-    from co2_hf.integrations import checkpoint, publish
+    from co2_hf.checkpoints import publish, rank_files
 
     def strike() -> None:
         _write_json(os.path.join(out, "fault.json"), {**fault, "at": time.time()})
@@ -112,7 +112,7 @@ def _arm(trainer, fault: dict, out: str) -> None:
         trainer.add_callback(Strike())
         return
     module, name = {
-        "rank_file": (checkpoint, "save_rank_state"),
+        "rank_file": (rank_files, "save_rank_state"),
         "publish": (publish, "publish"),
         "rename": (publish, "_rename"),
     }[fault["where"]]
@@ -149,12 +149,12 @@ def plan_fault(rng: random.Random, start: int, steps: int, *, save_steps: int, l
 
 def visible_checkpoints_are_complete(out: str, world: int) -> list[str]:
     """Every ``checkpoint-N`` that resume could pick must pass the manifest check on every rank."""
-    from co2_hf.integrations import checkpoint
+    from co2_hf.checkpoints import rank_files
 
     found = sorted(glob.glob(os.path.join(out, "checkpoint-*")), key=lambda p: int(p.rsplit("-", 1)[1]))
     for folder in found:
         for rank in range(world):
-            checkpoint.check_complete(folder, rank, world)
+            rank_files.check_complete(folder, rank, world)
     return found
 
 

@@ -74,7 +74,7 @@ def refused_loads(rank: int, world: int, folders: str) -> dict:
 
     from accelerate import Accelerator
 
-    from co2_hf.integrations import publish
+    from co2_hf.checkpoints import agreement
 
     _env(rank, world)
     accelerator = Accelerator(cpu=True)
@@ -92,8 +92,8 @@ def refused_loads(rank: int, world: int, folders: str) -> dict:
     refused = {
         "plain_load_state": _error(accelerator.load_state, os.path.join(folders, "hostile_custom_object")),
         "save_into_users_folder": _error(co2.save_state, os.path.join(os.path.dirname(folders), "users")),
-        "one_rank_oserror": _error(publish.agree, _fails_on_rank_1, rank),
-        "different_steps": _error(publish.agree_on_checkpoint, "ckpt", step=6 + rank, digest="d", leader=0),
+        "one_rank_oserror": _error(agreement.agree, _fails_on_rank_1, rank),
+        "different_steps": _error(agreement.agree_on_checkpoint, "ckpt", step=6 + rank, digest="d", leader=0),
     }
     with co2:
         pass

@@ -9,7 +9,7 @@ import json
 import os
 import zipfile
 
-from co2_hf.integrations import publish
+from co2_hf.checkpoints.manifest import MANIFEST_FILE, file_checksum
 
 
 class Payload:
@@ -24,7 +24,7 @@ class Payload:
 
 def rewrite_manifest(folder: str, change) -> None:
     """What an attacker (or a careless script) does: change the folder, then make the manifest match."""
-    path = os.path.join(folder, publish.MANIFEST_FILE)
+    path = os.path.join(folder, MANIFEST_FILE)
     with open(path) as f:
         manifest = json.load(f)
     manifest = change(manifest)
@@ -38,7 +38,7 @@ def rehash(folder: str):
     def change(manifest):
         for name in manifest["files"]:
             path = os.path.join(folder, name)
-            manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": publish.file_checksum(path)}
+            manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": file_checksum(path)}
         for entry in manifest["ranks"].values():
             entry["bytes"] = manifest["files"][entry["file"]]["bytes"]
         return manifest

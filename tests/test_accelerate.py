@@ -41,12 +41,12 @@ def test_each_rank_saved_its_own_optimizer_state(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_save_state_is_published_with_a_manifest_of_every_rank(runs):
-    from co2_hf.integrations import checkpoint
+    from co2_hf.checkpoints import publish, rank_files
 
     out, _, _ = runs
-    manifest = checkpoint.check_complete(out, 1, 2, step=SAVE_AT)
+    manifest = rank_files.check_complete(out, 1, 2, step=SAVE_AT)
     assert sorted(manifest["ranks"]) == ["0", "1"] and "model.safetensors" in manifest["files"]
-    assert not os.path.exists(os.path.join(os.path.dirname(out), checkpoint.STAGING_DIR))
+    assert not os.path.exists(os.path.join(os.path.dirname(out), publish.STAGING_DIR))
 
 
 @pytest.mark.slow
@@ -309,11 +309,11 @@ HOSTILE = {"hostile_custom_object": "custom_checkpoint_0.pkl", "hostile_rank_fil
 
 
 def _list(name: str, folder: str):
-    from co2_hf.integrations import publish
+    from co2_hf.checkpoints.manifest import file_checksum
 
     def change(manifest):
         path = os.path.join(folder, name)
-        manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": publish.file_checksum(path)}
+        manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": file_checksum(path)}
         return manifest
 
     return change

@@ -326,8 +326,9 @@ def test_the_communicator_is_fixed_at_construction_and_a_wrapper_forwards_every_
 def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_path):
     import json
 
+    from co2_hf.checkpoints import config_file
     from co2_hf.core.schedule import Plan
-    from co2_hf.integrations import checkpoint, model_card
+    from co2_hf.integrations import model_card
 
     plan = CO2(TinyNet(seed=0), CO2Config()).plan
     assert plan.describe() == {
@@ -343,7 +344,7 @@ def test_the_plan_resolves_the_knobs_once_and_the_saved_settings_show_it(tmp_pat
     assert (sync.fragments, sync.start_rule, sync.stale, sync.penalty) == (1, "anchor", False, "none")
     full = CO2(TinyNet(seed=0), CO2Config(co2_fragments=1, co2_gap_penalty=1.0)).plan
     assert (full.window_steps, full.stale, full.penalty) == (None, True, "gap_aware")
-    checkpoint.write_co2_config(str(tmp_path), CO2Config(), world_size=2, plan=plan)
+    config_file.write_co2_config(str(tmp_path), CO2Config(), world_size=2, plan=plan)
     saved = json.loads((tmp_path / "co2_config.json").read_text())
     assert saved["co2_fragments"] == 12 and saved["co2_plan"]["fragments"] == 12 and saved["num_workers"] == 2
     (tmp_path / "README.md").write_text("# model\n")

@@ -1,9 +1,10 @@
 """What importing co2_hf loads, and where each third-party import is declared.
 
-`import co2_hf` and `import co2_hf.core` must load torch only, never transformers/accelerate. Every
-third-party module a folder imports must come from a distribution declared for it in pyproject.toml:
-co2_hf/ from the dependencies (so a plain `pip install co2_hf` imports it), recipes/ and scripts/ from
-those plus the `recipes` extra, tests/ from those plus the `test` extra.
+`import co2_hf`, `import co2_hf.core` and `import co2_hf.checkpoints` must load torch only, never
+transformers/accelerate. Every third-party module a folder imports must come from a distribution
+declared for it in pyproject.toml: co2_hf/ from the dependencies (so a plain `pip install co2_hf`
+imports it), recipes/ and scripts/ from those plus the `recipes` extra, tests/ from those plus the
+`test` extra.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def test_core_import_loads_torch_only():
         "assert not heavy, heavy\n"
         "assert 'torch' in sys.modules\n"
     )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_checkpoints_import_loads_neither_transformers_nor_accelerate():
+    """co2_hf/checkpoints/ is framework-neutral: the Trainer and Accelerate both call it, neither is its."""
+    modules = sorted(p.stem for p in (ROOT / "co2_hf" / "checkpoints").glob("*.py") if p.stem != "__init__")
+    code = (
+        f"import sys, importlib\nfor name in {modules!r}: importlib.import_module('co2_hf.checkpoints.' + name)\n"
+        "heavy = [m for m in ('transformers', 'accelerate', 'datasets', 'evaluate') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    assert {"bounded", "manifest", "publish", "rank_files"} <= set(modules)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

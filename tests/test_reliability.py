@@ -18,7 +18,8 @@ from reliability_workers import FAULT_TIMEOUT_S, FAULTS, NAN_STEP, TAU, corrupt,
 from tables import SLACK_S  # scheduling noise on a loaded 2-core machine
 
 from co2_hf import CO2, CO2Config
-from co2_hf.integrations import checkpoint
+from co2_hf.checkpoints import publish, rank_files
+from co2_hf.checkpoints.manifest import MANIFEST_FILE
 from co2_hf.testing import HF_PRELOAD, FakeCommunicator, run_with_faults
 from scripts import soak
 
@@ -311,7 +312,7 @@ def test_short_soak_ends_bit_identical_to_an_uninterrupted_run(soaked):
     out, result = soaked
     assert result["final_resumed"] and result["ranks_agree"]
     assert result["tensors_differing"] == [] and result["max_abs_diff"] == 0.0
-    assert not os.path.exists(os.path.join(out, "faulted", checkpoint.STAGING_DIR))  # cleared by later saves
+    assert not os.path.exists(os.path.join(out, "faulted", publish.STAGING_DIR))  # cleared by later saves
 
 
 @pytest.mark.slow
@@ -320,9 +321,9 @@ def test_short_soak_ends_bit_identical_to_an_uninterrupted_run(soaked):
 def test_incomplete_or_mismatched_checkpoints_are_refused(soaked, tmp_path):
     out, _ = soaked
     complete = os.path.join(out, "faulted", "checkpoint-40")
-    checkpoint.check_complete(complete, 1, 2, step=40)
+    rank_files.check_complete(complete, 1, 2, step=40)
     cases = {
-        "no manifest": (lambda d: os.remove(os.path.join(d, checkpoint.MANIFEST_FILE)), "has no co2_manifest.json"),
+        "no manifest": (lambda d: os.remove(os.path.join(d, MANIFEST_FILE)), "has no co2_manifest.json"),
         "truncated": (lambda d: _truncate(os.path.join(d, "co2_rank1.pt")), "co2_rank1.pt has 10 bytes"),
         "missing file": (lambda d: os.remove(os.path.join(d, "optimizer.pt")), "optimizer.pt is missing"),
         "other rank": (lambda d: _drop_rank(d, "1"), "holds the CO2 state of ranks [0] only"),
@@ -332,11 +333,11 @@ def test_incomplete_or_mismatched_checkpoints_are_refused(soaked, tmp_path):
         shutil.copytree(complete, folder)
         damage(folder)
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
-            checkpoint.read_rank_state(folder, 1, 2)
+            rank_files.read_rank_state(folder, 1, 2)
     with pytest.raises(ValueError, match="saved by 2 processes and this run has 3"):
-        checkpoint.check_complete(complete, 0, 3)
+        rank_files.check_complete(complete, 0, 3)
     with pytest.raises(ValueError, match="mixes steps"):
-        checkpoint.check_complete(complete, 0, 2, step=30)
+        rank_files.check_complete(complete, 0, 2, step=30)
 
 
 # each damaged file, and the rank that reads it on resume (the other ranks' files are their own ranks' to verify)
@@ -357,7 +358,7 @@ CORRUPTED = {
 def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soaked, tmp_path):
     out, _ = soaked
     complete = os.path.join(out, "faulted", "checkpoint-40")
-    manifest = checkpoint.check_complete(complete, 1, 2, step=40)
+    manifest = rank_files.check_complete(complete, 1, 2, step=40)
     assert manifest["format"] == 2 and set(CORRUPTED) <= set(manifest["files"])
     for name, reader in CORRUPTED.items():
         folder = str(tmp_path / name)
@@ -366,14 +367,14 @@ def test_a_same_size_corruption_of_any_checkpoint_file_is_refused_naming_it(soak
         expected = manifest["files"][name]["sha256"]
         found = rf"{re.escape(name)} has sha256 [0-9a-f]{{64}} but its co2_manifest.json says {expected}"
         with pytest.raises(ValueError, match=rf"{re.escape(folder)} is corrupted: {found}"):
-            checkpoint.read_rank_state(folder, reader, 2)
+            rank_files.read_rank_state(folder, reader, 2)
         if name == "co2_rank0.pt":  # rank 1 does not read it; in a run `agree` makes rank 1 refuse too
-            checkpoint.check_complete(folder, 1, 2)
+            rank_files.check_complete(folder, 1, 2)
     folder = str(tmp_path / "manifest")
     shutil.copytree(complete, folder)
-    corrupt(os.path.join(folder, checkpoint.MANIFEST_FILE))
+    corrupt(os.path.join(folder, MANIFEST_FILE))
     with pytest.raises(ValueError, match="is corrupted: its co2_manifest.json is not valid JSON"):
-        checkpoint.read_rank_state(folder, 1, 2)
+        rank_files.read_rank_state(folder, 1, 2)
 
 
 @pytest.mark.slow
@@ -385,14 +386,14 @@ def test_a_manifest_without_checksums_is_refused(soaked, tmp_path):
     out, _ = soaked
     folder = str(tmp_path / "format1")
     shutil.copytree(os.path.join(out, "faulted", "checkpoint-40"), folder)
-    path = os.path.join(folder, checkpoint.MANIFEST_FILE)
+    path = os.path.join(folder, MANIFEST_FILE)
     with open(path) as f:
         manifest = json.load(f)
     manifest.update(format=1, files={name: entry["bytes"] for name, entry in manifest["files"].items()})
     with open(path, "w") as f:
         json.dump(manifest, f)
     with pytest.raises(ValueError, match="format 1 lists sizes without checksums.*from_pretrained"):
-        checkpoint.read_rank_state(folder, 0, 2)
+        rank_files.read_rank_state(folder, 0, 2)
 
 
 def _truncate(path: str) -> None:
@@ -401,7 +402,7 @@ def _truncate(path: str) -> None:
 
 
 def _drop_rank(folder: str, rank: str) -> None:
-    path = os.path.join(folder, checkpoint.MANIFEST_FILE)
+    path = os.path.join(folder, MANIFEST_FILE)
     with open(path) as f:
         manifest = json.load(f)
     del manifest["ranks"][rank]
@@ -431,10 +432,10 @@ def test_trainer_refuses_a_copied_staging_folder_and_keeps_best_and_rotation_rig
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-4"]
     with open(tmp_path / "checkpoint-12" / "trainer_state.json") as f:
         assert json.load(f)["best_model_checkpoint"] == str(tmp_path / "checkpoint-4")
-    assert not (tmp_path / checkpoint.STAGING_DIR).exists()
+    assert not (tmp_path / publish.STAGING_DIR).exists()
     copied = tmp_path / "checkpoint-13"
     shutil.copytree(tmp_path / "checkpoint-12", copied)
-    os.remove(copied / checkpoint.MANIFEST_FILE)
+    os.remove(copied / MANIFEST_FILE)
     assert get_last_checkpoint(str(tmp_path)) == str(copied)
     again = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path), max_steps=16), train_dataset=dataset())
     with pytest.raises(ValueError, match="checkpoint-13 is incomplete: it has no co2_manifest.json"):
@@ -465,7 +466,7 @@ def test_hub_push_from_a_checkpoint_uploads_the_published_folder(tmp_path, monke
     CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
     pushed = [(folder, files) for path, folder, files in uploads if path == "last-checkpoint"]
     assert [folder for folder, _ in pushed] == [str(tmp_path / "checkpoint-6"), str(tmp_path / "checkpoint-12")]
-    assert all(checkpoint.MANIFEST_FILE in files and "co2_rank0.pt" in files for _, files in pushed)
+    assert all(MANIFEST_FILE in files and "co2_rank0.pt" in files for _, files in pushed)
 
 
 @pytest.mark.timeout(90)
@@ -522,13 +523,14 @@ def test_a_full_disk_during_a_save_says_so_naming_the_folder_and_keeps_the_previ
     script = f"""
 from trainer_workers import dataset, make_args, tiny_gpt2
 from co2_hf import CO2Trainer
-from co2_hf.integrations import checkpoint
+from co2_hf.checkpoints import publish, rank_files
+from co2_hf.checkpoints.manifest import MANIFEST_FILE
 args = make_args({str(disk)!r}, max_steps=4, save_strategy="steps", save_steps=2)
 try:
     CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64)).train()
 except OSError as error:
     print("REFUSED:", error)
-checkpoint.check_shared({str(disk / "checkpoint-2")!r})
+rank_files.check_shared({str(disk / "checkpoint-2")!r})
 print("PREVIOUS:", sorted(p for p in __import__("os").listdir({str(disk)!r}) if p.startswith("checkpoint")))
 """
     mount = 'mount -t tmpfs -o size=1700k none "$0" && exec "$1" -c "$2"'

@@ -20,8 +20,9 @@ from tampering import Payload, deflated, overlapping, pickle_bomb, rehash, rewri
 from workers import TinyNet, loss_on, make_optimizer
 
 from co2_hf import CO2Config, CO2TrainingArguments
+from co2_hf.checkpoints import agreement, bounded, config_file, publish, rank_files
+from co2_hf.checkpoints.manifest import MANIFEST_FILE, read_manifest
 from co2_hf.core import CO2
-from co2_hf.integrations import bounded, checkpoint, publish
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +38,7 @@ def published(folder: str, files: dict[str, bytes], *, rank_state: dict | None =
         with open(os.path.join(staging, name), "wb") as f:
             f.write(data)
     state = rank_state or {"co2": {}, "model": {}, "optimizer": None, "scaler": None}
-    torch.save(state, checkpoint.rank_file(staging, 0))
+    torch.save(state, rank_files.rank_file(staging, 0))
     publish.publish(staging, folder, rank=0, leader=0, world_size=1, step=4, own="co2_rank0.pt", run=run)
     return folder
 
@@ -49,16 +50,16 @@ def test_a_hostile_rank_file_with_a_matching_manifest_is_refused_before_it_runs(
     folder = published(str(tmp_path / "ckpt"), {"model.safetensors": b"weights"})
     marker = str(tmp_path / "code_ran")
     hostile = {"co2": Payload(marker), "model": {}, "optimizer": None, "scaler": None}
-    torch.save(hostile, checkpoint.rank_file(folder, 0))
+    torch.save(hostile, rank_files.rank_file(folder, 0))
     rewrite_manifest(folder, rehash(folder))
-    checkpoint.check_shared(folder)  # the manifest matches: checking for damage cannot tell
+    rank_files.check_shared(folder)  # the manifest matches: checking for damage cannot tell
     refusal = r"co2_rank0.pt holds something other than tensors.*nothing in it was run"
-    for check in (checkpoint.check_complete, checkpoint.read_rank_state):
+    for check in (rank_files.check_complete, rank_files.read_rank_state):
         with pytest.raises(ValueError, match=refusal):
             check(folder, 0, 1)
-    os.remove(os.path.join(folder, publish.MANIFEST_FILE))  # a plain accelerator.save_state folder
+    os.remove(os.path.join(folder, MANIFEST_FILE))  # a plain accelerator.save_state folder
     with pytest.raises(ValueError, match="co2_rank0.pt holds something other than tensors"):
-        checkpoint.read_rank_state(folder, 0, 1, require_manifest=False)
+        rank_files.read_rank_state(folder, 0, 1, require_manifest=False)
     assert not os.path.exists(marker)
 
 
@@ -100,7 +101,7 @@ def test_a_malformed_manifest_is_a_value_error_naming_the_problem(tmp_path, case
     change, message = MALFORMED[case]
     rewrite_manifest(folder, change)
     with pytest.raises(ValueError, match=f"co2_manifest.json.*{message}"):
-        checkpoint.read_rank_state(folder, 0, 1)
+        rank_files.read_rank_state(folder, 0, 1)
 
 
 def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
@@ -115,17 +116,17 @@ def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
         os.remove(os.path.join(folder, "a.dat"))
         os.symlink(target if target.startswith("/") else outside, os.path.join(folder, "a.dat"))
         with pytest.raises(ValueError, match=message):
-            checkpoint.read_rank_state(folder, 0, 1)
+            rank_files.read_rank_state(folder, 0, 1)
     folder = published(str(tmp_path / "added"), {"a.dat": b"abc"})
     with open(os.path.join(folder, "optimizer.pt"), "wb") as f:
         f.write(b"planted")
     with pytest.raises(ValueError, match=r"has files its co2_manifest.json does not list \(optimizer.pt\)"):
-        checkpoint.read_rank_state(folder, 0, 1)
+        rank_files.read_rank_state(folder, 0, 1)
     os.makedirs(os.path.join(folder, ".cache"))  # a Hub download's own folder: never loaded, not refused
     os.remove(os.path.join(folder, "optimizer.pt"))
     with open(os.path.join(folder, ".cache", "x"), "w") as f:
         f.write("x")
-    checkpoint.read_rank_state(folder, 0, 1)
+    rank_files.read_rank_state(folder, 0, 1)
 
 
 def test_agree_turns_any_exception_into_the_same_value_error():
@@ -133,20 +134,20 @@ def test_agree_turns_any_exception_into_the_same_value_error():
         raise PermissionError(13, "Permission denied", "/ckpt/co2_rank0.pt")
 
     with pytest.raises(ValueError, match=r"PermissionError: \[Errno 13\] Permission denied: '/ckpt/co2_rank0.pt'"):
-        publish.agree(unreadable)
+        agreement.agree(unreadable)
 
 
 def test_the_world_file_is_validated_after_the_manifest(tmp_path):
-    folder = published(str(tmp_path / "ckpt"), {checkpoint.CONFIG_FILE: b'{"world_size": 2, "co2_worker_size": 0}'})
+    folder = published(str(tmp_path / "ckpt"), {config_file.CONFIG_FILE: b'{"world_size": 2, "co2_worker_size": 0}'})
     with pytest.raises(ValueError, match="co2_config.json does not record a world"):
-        checkpoint.saved_world(folder)
+        config_file.saved_world(folder)
     broken = str(tmp_path / "broken")
     os.makedirs(broken)
     with open(os.path.join(broken, "trainer_state.json"), "w") as f:
         f.write("{")
-    torch.save({}, checkpoint.rank_file(broken, 0))
+    torch.save({}, rank_files.rank_file(broken, 0))
     with pytest.raises(ValueError, match="has no co2_manifest.json"):  # not a JSON error of another file
-        checkpoint.check_shared(broken)
+        rank_files.check_shared(broken)
 
 
 # ---------------------------------------------------------------------- bounded loads
@@ -171,18 +172,18 @@ def test_a_zip_bomb_in_a_shared_file_is_refused_before_anything_is_inflated(tmp_
     start = time.perf_counter()
     expands = r"optimizer.pt holds a compressed entry \(archive/data.pkl: \d+ bytes that would expand to 2684"
     with pytest.raises(ValueError, match=expands):
-        checkpoint.check_shared(folder)
+        rank_files.check_shared(folder)
     assert time.perf_counter() - start < 1.0
 
 
 def test_a_pickle_larger_than_its_entries_need_is_refused_before_it_is_read(tmp_path, no_torch_load):
     folder = published(str(tmp_path / "ckpt"), {"model.safetensors": b"w"})
-    pickle_bomb(checkpoint.rank_file(folder, 0), 3 << 20)  # stored: its size is what the manifest says
+    pickle_bomb(rank_files.rank_file(folder, 0), 3 << 20)  # stored: its size is what the manifest says
     rewrite_manifest(folder, rehash(folder))
     start = time.perf_counter()
     larger = r"co2_rank0.pt's pickle \(bomb/data.pkl\) is 3145728 bytes, more than the 1051648 the structure of 3"
     with pytest.raises(ValueError, match=larger):
-        checkpoint.check_complete(folder, 0, 1)
+        rank_files.check_complete(folder, 0, 1)
     assert time.perf_counter() - start < 1.0
 
 
@@ -269,7 +270,7 @@ def test_a_run_never_publishes_over_another_runs_checkpoint_and_names_both(tmp_p
     assert os.path.isdir(staging_a) and (tmp_path / "checkpoint-4" / "a.bin").read_bytes() == b"A"
     published(ckpt4, {"a.bin": b"A again"}, run=run_a)  # a re-save of the same run replaces it
     # B published checkpoint-8 while A was staging it: A's rename is refused in turn
-    torch.save({"co2": {}, "model": {}, "optimizer": None, "scaler": None}, checkpoint.rank_file(staging_b, 0))
+    torch.save({"co2": {}, "model": {}, "optimizer": None, "scaler": None}, rank_files.rank_file(staging_b, 0))
     publish.publish(
         staging_b,
         str(tmp_path / "checkpoint-8"),
@@ -284,7 +285,7 @@ def test_a_run_never_publishes_over_another_runs_checkpoint_and_names_both(tmp_p
         publish.publish(
             staging_a, str(tmp_path / "checkpoint-8"), rank=0, leader=0, world_size=1, step=8, own="x", run=run_a
         )
-    assert publish.read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_b
+    assert read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_b
 
 
 def test_a_save_that_cannot_stage_says_why(tmp_path, monkeypatch):
@@ -320,7 +321,7 @@ def test_every_file_is_flushed_before_the_manifest_and_the_parent_after_the_rena
     monkeypatch.setattr(publish.os, "replace", recording_replace)
     final = str(tmp_path / "ckpt")
     published(final, {"model.safetensors": b"w", "optimizer.pt": b"o"})
-    manifest_at = next(i for i, (k, p) in enumerate(events) if k == "rename" and p.endswith(publish.MANIFEST_FILE))
+    manifest_at = next(i for i, (k, p) in enumerate(events) if k == "rename" and p.endswith(MANIFEST_FILE))
     for name in ("model.safetensors", "optimizer.pt", "co2_rank0.pt"):
         flushed_at = [i for i, (k, p) in enumerate(events) if k == "fsync" and p.endswith(name)]
         assert flushed_at and flushed_at[0] < manifest_at, (name, events)
@@ -447,11 +448,11 @@ def test_two_trainer_runs_sharing_an_output_dir_leave_each_others_checkpoints_al
 
     a._save_rank_file = b_saves_meanwhile
     a.train()  # publishes checkpoint-8 although B saved in the middle of it
-    run_a = publish.read_manifest(str(tmp_path / "checkpoint-4"))["run"]
-    assert publish.read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_a
+    run_a = read_manifest(str(tmp_path / "checkpoint-4"))["run"]
+    assert read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_a
     assert refused and f"checkpoint-4: it is a checkpoint of another run (run {run_a}, step 4)" in refused[0]
     assert f"and this is run {b._co2_run}" in refused[0] and b._co2_run != run_a
-    assert publish.read_manifest(str(tmp_path / "checkpoint-2"))["run"] == b._co2_run
+    assert read_manifest(str(tmp_path / "checkpoint-2"))["run"] == b._co2_run
     resumed = run(8, every=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # saves checkpoint-8 again
     assert resumed._co2_run == run_a and not (tmp_path / publish.STAGING_DIR).exists()

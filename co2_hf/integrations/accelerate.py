@@ -26,18 +26,9 @@ Inside the ``with`` block the DDP wrapper (if any) is kept in ``no_sync``, so no
 workers during local steps (DDP also skips its buffer broadcast then); during
 ``co2_sync_warmup_steps`` DDP synchronises as usual.
 
-Checkpoints: ``co2.save_state(folder)`` and ``co2.load_state(folder)``, inside the block. Saving
-wraps ``accelerator.save_state``: a save hook puts the anchor in the model file and makes every rank
-write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2 state), and the
-folder appears only once complete, with a manifest of sizes and checksums (``publish.py``); a folder
-holding other files is refused, never replaced. Loading checks the folder on every rank before
-anything is read (refusing a missing, truncated, corrupted or unlisted file by name), runs
-``accelerator.load_state``, then restores this rank's own file, read with ``weights_only=True``.
-Nothing is registered with ``accelerator.register_for_checkpointing``: Accelerate unpickles those
-objects as full pickles (``weights_only`` off), so a checkpoint from elsewhere could run code; an
-object the user registered is refused (at construction, ``save_state`` and ``load_state``). A plain
-``accelerator.save_state`` inside the block writes the rank files too (no manifest); a plain
-``accelerator.load_state`` of a folder with rank files is refused, naming ``co2.load_state``.
+Checkpoints: ``co2.save_state(folder)`` and ``co2.load_state(folder)``, inside the block: an exact
+resume, saved atomically as the Trainer's checkpoints are (``accelerate_checkpoints.py``, on the
+framework-neutral ``co2_hf/checkpoints/``).
 
 FSDP2 inside a worker (``co2_worker_size = k``): shard the model with ``fully_shard(module,
 mesh=co2_hf.core.worker_mesh(k, timeout_s=co2_timeout_s))`` before making the optimizer, and prepare it with
@@ -48,17 +39,17 @@ gradients). Checkpoints then hold each rank's own shards; the model file is the 
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from ..checkpoints import config_file, rank_files
 from ..config import CO2Config
 from ..core import CO2
-from . import checkpoint, launch, model_card, publish
+from . import launch, model_card
+from .accelerate_checkpoints import AccelerateCheckpoints, refuse_custom_objects
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +79,8 @@ class CO2Accelerate:
         self.module = accelerator.unwrap_model(model)
         self.enabled = enabled and self.config.co2_enabled
         self.co2: CO2 | None = None
-        self._hooks: list = []
+        self._checkpoints: AccelerateCheckpoints | None = None
+        self._closed = False
         self._no_sync = contextlib.ExitStack()
         if self.enabled:
             self._start(accelerator, optimizer)
@@ -97,7 +89,7 @@ class CO2Accelerate:
 
     def _start(self, accelerator: Any, optimizer: Any) -> None:
         _check_launch(accelerator, self.config)
-        _refuse_custom_objects(accelerator, "CO2Accelerate")
+        refuse_custom_objects(accelerator, "CO2Accelerate")
         if accelerator.num_processes == 1:
             logger.warning(
                 "CO2Accelerate: one process, nobody to average with: CO2 runs as a single worker and "
@@ -107,16 +99,7 @@ class CO2Accelerate:
             )
         inner = getattr(optimizer, "optimizer", optimizer)
         self.co2 = CO2(self.module, self.config, optimizer=inner)
-        self._loading: str | None = None  # the folder `load_state` is loading, checked already
-        self._run: str | None = None  # this run's id (publish.py, "Runs"): load_state takes its folder's
-        self._closed = False
-        self._skipped_loads: _SkippedLoads | None = None
-        # No object registered for accelerate's checkpointing: accelerate unpickles those with
-        # full pickles (weights_only off). This rank's state comes back in `load_state`, after theirs.
-        self._hooks = [
-            accelerator.register_save_state_pre_hook(self._save_hook),
-            accelerator.register_load_state_pre_hook(self._load_hook),
-        ]
+        self._checkpoints = AccelerateCheckpoints(accelerator, self.module, optimizer, self.co2)
 
     def __enter__(self) -> CO2Accelerate:
         if self.co2 is not None and not self.co2.in_warmup:
@@ -125,8 +108,8 @@ class CO2Accelerate:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._no_sync.close()
-        for hook in self._hooks:
-            hook.remove()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
         self._closed = True
         if self.co2 is None:
             return
@@ -184,7 +167,7 @@ class CO2Accelerate:
         A model without ``save_pretrained`` (a plain ``nn.Module``) is written as
         ``accelerator.save_model`` writes one: ``model.safetensors``, shared tensors stored once."""
         accelerator = self.accelerator
-        state = checkpoint.anchor_for_saving(self.co2) if self.co2 is not None else None
+        state = rank_files.anchor_for_saving(self.co2) if self.co2 is not None else None
         transformers_model = hasattr(self.module, "save_pretrained")
         if transformers_model:
             self.module.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state)
@@ -197,35 +180,20 @@ class CO2Accelerate:
             if self.co2 is not None:
                 world = accelerator.num_processes
                 ran = dict(world_size=world, plan=self.co2.plan)
-                checkpoint.write_co2_config(output_dir, self.co2.config, **ran)
+                config_file.write_co2_config(output_dir, self.co2.config, **ran)
                 model_card.add_co2_section(card, self.co2.config, **ran)
         accelerator.wait_for_everyone()
 
     def save_state(self, output_dir: str, **kwargs: Any) -> None:
         """``accelerator.save_state(output_dir)``, made atomic: written into a staging folder beside
-        it and renamed to ``output_dir`` only once every rank's files are there (``publish.py``). An
+        it and renamed to ``output_dir`` only once every rank's files are there (`rank_files.saving`). An
         ``output_dir`` holding files CO2 did not write is refused, not replaced. Collective: every rank
         calls it, inside the ``with`` block. Disabled: ``accelerator.save_state`` as it is."""
         if self.co2 is None:
             self.accelerator.save_state(output_dir, **kwargs)
             return
         self._check_open("save_state", "co2.save_pretrained(folder) saves the final model")
-        _refuse_custom_objects(self.accelerator, "CO2Accelerate.save_state")
-        accelerator, project = self.accelerator, self.accelerator.project_configuration
-        if project.automatic_checkpoint_naming:
-            raise ValueError(
-                "CO2Accelerate.save_state needs the folder's name: with "
-                "ProjectConfiguration(automatic_checkpoint_naming=True) call accelerator.save_state() "
-                "instead (not atomic)"
-            )
-        rank = accelerator.process_index
-        leader = rank - accelerator.local_process_index if project.save_on_each_node else 0
-        self._run = run = self._run or publish.new_run_id()
-        staging = publish.begin_save(output_dir, rank=rank, leader=leader, run=run)
-        with publish.writing(output_dir, staging):  # a full disk says so, naming the folder
-            accelerator.save_state(staging, **kwargs)
-        world, step, own = accelerator.num_processes, self.co2.inner_steps, checkpoint.RANK_FILE.format(rank=rank)
-        publish.publish(staging, output_dir, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
+        self._checkpoints.save(output_dir, **kwargs)
 
     def load_state(self, input_dir: str, **kwargs: Any) -> None:
         """``accelerator.load_state(input_dir)``, then this rank's own state (local parameters, inner
@@ -237,45 +205,7 @@ class CO2Accelerate:
             self.accelerator.load_state(input_dir, **kwargs)
             return
         self._check_open("load_state", "load it into a new CO2Accelerate")
-        _refuse_custom_objects(self.accelerator, "CO2Accelerate.load_state")
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
-        # refusing when one does; the rank file is then checked by size only
-        self._run = checkpoint.agree(self._check_loadable, input_dir, rank, world) or self._run
-        self._loading = input_dir
-        try:
-            self.accelerator.load_state(input_dir, **kwargs)
-        finally:
-            self._loading = None
-            if self._skipped_loads is not None:
-                self._skipped_loads.undo()
-                self._skipped_loads = None
-        saved = checkpoint.read_rank_state(input_dir, rank, world, require_manifest=False, verify=False)
-        accelerator = self.accelerator
-        checkpoint.apply_rank_state(
-            saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=accelerator.scaler
-        )
-
-    def _check_loadable(self, input_dir: str, rank: int, world: int) -> str | None:
-        """Refuse what cannot be loaded; return the run that saved the folder (None: not recorded)."""
-        checkpoint.check_rank_state(input_dir, rank, world, require_manifest=False)
-        # Accelerate refuses a folder whose custom-object files outnumber the registered objects, but
-        # only after loading the model and optimizer: say so first. co2_hf before this version saved
-        # one of its own (custom_checkpoint_<i>.pkl), a full pickle that is never loaded now.
-        found = sorted(glob.glob(os.path.join(input_dir, "custom_checkpoint_*.pkl")))
-        registered = len(getattr(self.accelerator, "_custom_objects", []))
-        if len(found) != registered:
-            names = ", ".join(os.path.basename(f) for f in found)
-            raise ValueError(
-                f"{input_dir} holds {len(found)} custom-object file(s) ({names}) and {registered} object(s) are "
-                "registered with accelerator.register_for_checkpointing. CO2Accelerate registers none (Accelerate "
-                "unpickles those files in full, so a checkpoint from elsewhere could run code): a folder saved by "
-                "an earlier co2_hf holds one of CO2's, which this version does not load; resume it with that co2_hf "
-                "release, or start from its model (co2.save_pretrained / from_pretrained)"
-            )
-        if not os.path.lexists(os.path.join(input_dir, checkpoint.MANIFEST_FILE)):
-            return None  # a plain accelerator.save_state folder
-        return publish.read_manifest(input_dir).get("run")
+        self._checkpoints.load(input_dir, **kwargs)
 
     def _check_open(self, method: str, instead: str) -> None:
         if self._closed:
@@ -288,63 +218,6 @@ class CO2Accelerate:
     def _stop_gradient_sync(self) -> None:
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._no_sync.enter_context(self.model.no_sync())
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save_hook(self, models: list, weights: list[dict], output_dir: str) -> None:
-        """The model file gets the anchor; every rank writes its own state beside it."""
-        for i, model in enumerate(models):
-            if self.accelerator.unwrap_model(model) is self.module and i < len(weights):
-                anchor = checkpoint.anchor_for_saving(self.co2)
-                # an OrderedDict, like a module's state dict: Accelerate then drops tied duplicates
-                weights[i] = OrderedDict((key, anchor[_strip(key, anchor)]) for key in weights[i])
-        checkpoint.save_rank_state(
-            output_dir,
-            self.accelerator.process_index,
-            co2=self.co2,
-            model=self.module,
-            optimizer=self.optimizer,
-            scaler=self.accelerator.scaler,
-        )
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        """Accelerate loads the anchor and rank 0's optimizer next; `load_state` restores this rank's
-        own state after that. A plain ``accelerator.load_state`` of a CO2 folder would resume every
-        rank with rank 0's optimizer and the anchor as its local model: refused, saying what to call."""
-        if self._loading is None:
-            if glob.glob(os.path.join(input_dir, checkpoint.RANK_FILE.format(rank="*"))):
-                raise ValueError(
-                    f"{input_dir} holds CO2 state: resume it with co2.load_state({input_dir!r}) (the "
-                    "CO2Accelerate object), which restores every rank's own state after accelerator.load_state"
-                )
-            return
-        if self.co2.layout.presharded:
-            # FSDP2: the model file is the whole anchor and optimizer.bin rank 0's shards; neither
-            # fits this rank's shards, and its own file restores both right after
-            self._skipped_loads = _SkippedLoads(self.module, self.optimizer)
-
-
-class _SkippedLoads:
-    """Makes a module's and an optimizer's state loading no-ops until ``undo`` (instance
-    attributes shadowing their methods), for the span of one ``accelerator.load_state``."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
-        self.objects = [module, optimizer]
-        module.state_dict = lambda *a, **k: {}
-        module.load_state_dict = lambda *a, **k: torch.nn.modules.module._IncompatibleKeys([], [])
-        optimizer.load_state_dict = lambda *a, **k: None
-
-    def undo(self) -> None:
-        for obj in self.objects:
-            for name in ("state_dict", "load_state_dict"):
-                obj.__dict__.pop(name, None)
-
-
-def _strip(key: str, anchor: dict) -> str:
-    """State-dict key of the wrapped model (``module.`` from DDP) -> key of the unwrapped one."""
-    while key not in anchor and "." in key:
-        key = key.split(".", 1)[1]
-    return key
 
 
 def _check_launch(accelerator: Any, config: CO2Config) -> None:
@@ -369,21 +242,6 @@ def _save_module(state: dict, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     state = clean_state_dict_for_safetensors({k: v.detach().contiguous() for k, v in state.items()})
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-
-
-def _refuse_custom_objects(accelerator: Any, what: str) -> None:
-    """Objects registered with ``accelerator.register_for_checkpointing`` are saved by Accelerate as
-    pickles and loaded back with ``weights_only`` off: a checkpoint from elsewhere would run code."""
-    objects = list(getattr(accelerator, "_custom_objects", []))
-    if objects:
-        names = ", ".join(type(obj).__name__ for obj in objects)
-        raise ValueError(
-            f"{what}: {len(objects)} object(s) are registered with accelerator.register_for_checkpointing "
-            f"({names}), and CO2Accelerate neither saves nor loads them: Accelerate loads them back with a full "
-            "pickle (weights_only off), so a checkpoint from elsewhere could run code in load_state. Do not "
-            "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
-            "read back with torch.load(..., weights_only=True))"
-        )
 
 
 def _check_replicas(accelerator: Any) -> None:

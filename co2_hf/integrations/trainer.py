@@ -24,7 +24,7 @@ What CO2Trainer changes, each a few lines around ``super()``:
 - a checkpoint is written under ``_co2_staging/`` and renamed to ``checkpoint-N`` only once every
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
   from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`,
-  ``publish.py``); nothing in a checkpoint is unpickled on resume (``checkpoint.py``);
+  ``checkpoints/publish.py``); nothing in a checkpoint is unpickled on resume (``checkpoints/rank_files.py``);
 - with ``load_best_model_at_end`` the best checkpoint's model becomes the anchor (`_load_best_model`);
 - ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
   where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
@@ -55,10 +55,12 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, rotate_checkpoints
 
+from ..checkpoints import agreement, config_file, elastic, publish, rank_files
+from ..checkpoints.manifest import manifest_digest
 from ..config import CO2Config
 from ..core import CO2
 from ..core.schedule import Plan
-from . import checkpoint, fault_tolerance, launch, model_card, publish
+from . import fault_tolerance, launch, model_card
 from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
 
 __all__ = ["CO2Trainer", "CO2TrainingArguments"]
@@ -161,12 +163,12 @@ class CO2Trainer(Trainer):
 
     def _check_resumable(self, directory: str) -> None:
         """An incomplete, copied, corrupted, tampered-with or mismatched checkpoint is refused, saying
-        why, on every rank at once (`checkpoint.agree`), before any file is read; the ranks resume from
-        one step and, per disk, one manifest (`publish.agree_on_checkpoint`)."""
-        checked = checkpoint.agree(self._checked_sources, directory, verify=True)
+        why, on every rank at once (`agreement.agree`), before any file is read; the ranks resume from
+        one step and, per disk, one manifest (`agreement.agree_on_checkpoint`)."""
+        checked = agreement.agree(self._checked_sources, directory, verify=True)
         self._co2_sources, step, digest, self._co2_run = checked  # the resumed run goes on as that run
         leader = self._save_leader()
-        publish.agree_on_checkpoint(directory, step=step, digest=digest, leader=leader)
+        agreement.agree_on_checkpoint(directory, step=step, digest=digest, leader=leader)
         self._co2_verified = directory  # `_restore_co2` then checks sizes only: no second hashing
 
     def _checked_sources(
@@ -176,23 +178,22 @@ class CO2Trainer(Trainer):
         rank files this rank reads: its own, or with ``co2_elastic`` after a change of world those of the
         old worker it takes over. Returns those (None: its own), the step, the manifest's digest and the
         run that saved it (None: a co2_hf that did not record runs)."""
-        manifest = checkpoint.check_shared(directory, verify=verify)
+        manifest = rank_files.check_shared(directory, verify=verify)
         sources = self._elastic_sources(directory)
         step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
-        checkpoint.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
-        return sources, step, publish.manifest_digest(directory), manifest.get("run")
+        rank_files.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
+        return sources, step, manifest_digest(directory), manifest.get("run")
 
     def _save_leader(self) -> int:
-        """The rank that publishes this rank's checkpoint files: 0 on a shared disk, the node's local
-        rank 0 with per-node disks (``save_on_each_node``)."""
+        """This rank's `rank_files.save_leader` (``save_on_each_node``: each node publishes its own copy)."""
         args = self.args
-        return args.process_index - args.local_process_index if args.save_on_each_node else 0
+        return rank_files.save_leader(args.process_index, args.local_process_index, per_node=args.save_on_each_node)
 
     def _elastic_sources(self, directory: str) -> list[int] | None:
         if not getattr(self.args, "co2_elastic", False):
             return None
         rank, world = self.args.process_index, self.args.world_size
-        return checkpoint.elastic_sources(directory, rank, world, self.co2_config.co2_worker_size)
+        return elastic.elastic_sources(directory, rank, world, self.co2_config.co2_worker_size)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         # the Trainer's one place where the optimizer is made, the model prepared and a checkpoint's
@@ -370,11 +371,11 @@ class CO2Trainer(Trainer):
         # with co2_worker_size > 1 the anchor is all-gathered inside the worker: every rank joins
         needs_gather = self.co2 is not None and self.co2_config.co2_worker_size > 1
         if self.co2 is not None and state_dict is None and (self.args.should_save or needs_gather):
-            state_dict = checkpoint.anchor_for_saving(self.co2)
+            state_dict = rank_files.anchor_for_saving(self.co2)
         super()._save(output_dir, state_dict=state_dict)
         if self.co2_config is not None and self.args.should_save:
             directory = output_dir if output_dir is not None else self.args.output_dir
-            checkpoint.write_co2_config(directory, **self._ran_with(), world_size=self.args.world_size)
+            config_file.write_co2_config(directory, **self._ran_with(), world_size=self.args.world_size)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model`` (``_save`` on the main process, Hub push on its own terms), and for
@@ -406,7 +407,7 @@ class CO2Trainer(Trainer):
 
         The Trainer writes into ``_co2_staging/checkpoint-N.<run>.<token>/checkpoint-N``, a folder of this
         save's own (its run folder for this call: `_get_output_dir`), with its Hub push held;
-        `publish.publish` then flushes every file, writes the manifest and renames the folder. Only
+        `rank_files.saving` then flushes every file, writes the manifest and renames the folder. Only
         then do the Trainer's rotation and push run, on the published folder: rotation never deletes
         a good checkpoint for one that is not complete or not yet on disk, and the background upload
         never reads a folder about to be renamed.
@@ -428,19 +429,17 @@ class CO2Trainer(Trainer):
         leader, rank = self._save_leader(), args.process_index
         self._co2_run = run = self._co2_run or publish.new_run_id()
         # this run's own staged checkpoints (killed saves) are cleared: nothing else in run_dir is
-        staging = publish.begin_save(final, rank=rank, leader=leader, run=run, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
-        with publish.writing(final, staging):  # a full disk says so, naming the folder
+        ran = dict(world_size=args.world_size, step=self.state.global_step, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
+        with rank_files.saving(final, rank=rank, leader=leader, run=run, **ran) as staging:
             with self._saving_into(os.path.dirname(staging)):
                 super()._save_checkpoint(model, trial)
             self._save_rank_file(staging)
-        self._point_best_checkpoint_at(staging, final)
-        own, step, world = checkpoint.RANK_FILE.format(rank=rank), self.state.global_step, args.world_size
-        publish.publish(staging, final, rank=rank, leader=leader, world_size=world, step=step, own=own, run=run)
+            self._point_best_checkpoint_at(staging, final)
         self._rotate_and_push(run_dir, final)
 
     def _save_rank_file(self, staging: str) -> None:
         if self.co2 is not None and not self.args.save_only_model:
-            checkpoint.save_rank_state(
+            rank_files.save_rank_state(
                 staging,
                 self.args.process_index,
                 co2=self.co2,
@@ -513,10 +512,10 @@ class CO2Trainer(Trainer):
                 self._checked_sources(directory, verify=True)
             return self._restore_co2_resharded(directory, sources)
         rank, world = self.args.process_index, self.args.world_size
-        state = checkpoint.read_rank_state(directory, rank, world, verify=not verified)
+        state = rank_files.read_rank_state(directory, rank, world, verify=not verified)
         if self._replica is not None:  # on torchft every replica group resumes from group 0's files
             state = {**state, "co2": self._replica.own_state(state["co2"])}
-        checkpoint.apply_rank_state(
+        rank_files.apply_rank_state(
             state,
             co2=self.co2,
             model=self.model,
@@ -527,8 +526,8 @@ class CO2Trainer(Trainer):
     def _restore_co2_resharded(self, directory: str, sources: list[int]) -> None:
         """After a change of world (``co2_elastic``): CO2's state re-sharded from the old worker this
         rank's worker takes over, the live model restarted from the anchor (``core/reshard.py``)."""
-        checkpoint.apply_resharded_state(
-            checkpoint.read_states(directory, sources),
+        elastic.apply_resharded_state(
+            elastic.read_states(directory, sources),
             co2=self.co2,
             optimizer=self._inner_optimizer(),
             scaler=getattr(self.accelerator, "scaler", None),
@@ -536,9 +535,9 @@ class CO2Trainer(Trainer):
         self._warn_world_changed(directory)
 
     def _warn_world_changed(self, directory: str) -> None:
-        """What a resume on another world carried, reset and does to the data (`checkpoint.warn_world_changed`)."""
+        """What a resume on another world carried, reset and does to the data (`elastic.warn_world_changed`)."""
         args = self.args
-        checkpoint.warn_world_changed(
+        elastic.warn_world_changed(
             directory,
             co2=self.co2,
             world_size=args.world_size,

@@ -4,7 +4,8 @@ Frameworks save one copy of the model and rank 0's optimizer. Under CO2 that los
 rank has its own local parameters, inner optimizer state (and AMP scaler) and its part of the outer
 state. Each rank therefore writes ``co2_rank{r}.pt`` beside the framework's files, while the
 framework's model files hold the anchor, the one consistent global model. A checkpoint folder is
-published whole, with a manifest of every file's size and SHA-256 (``publish.py``).
+published whole, with a manifest of every file's size and SHA-256 (`saving`: ``publish.py``,
+``manifest.py``), the same way for both frameworks.
 
 Loading: a rank file holds tensors, numbers, strings and containers only, and is read with
 ``torch.load(..., weights_only=True)``: a rank file from elsewhere that carries anything else (a
@@ -13,36 +14,58 @@ reads any file, ``bounded.py`` checks that nothing in it can expand past the fil
 it is read, its checkpoint's manifest is validated and the files this rank reads are verified
 (`check_complete`):
 its own rank file and every shared file (the model, optimizer, scheduler, RNG, trainer state and
-``co2_config.json``), not the other ranks' rank files, which their ranks verify; `publish.agree`
+``co2_config.json``), not the other ranks' rank files, which their ranks verify; `agreement.agree`
 makes every rank refuse when one does. The shared files are verified by every rank because every
 rank reads them and, with per-node disks, each node has its own copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
-import json
 import os
 import pickle
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ..config import CO2Config
-from ..core import CO2, reshard
-from ..core.schedule import Plan
-from . import bounded, publish
-from .publish import MANIFEST_FILE, STAGING_DIR, agree  # noqa: F401 - part of this module's interface
+from ..core import CO2
+from . import bounded, publish  # publish's functions by attribute: scripts/soak.py strikes inside them
+from .manifest import MANIFEST_FILE, check_files, read_manifest, verify_checksums
 
 RANK_FILE = "co2_rank{rank}.pt"
-CONFIG_FILE = "co2_config.json"
 
 
 def rank_file(directory: str, rank: int) -> str:
     return os.path.join(directory, RANK_FILE.format(rank=rank))
+
+
+def save_leader(rank: int, local_rank: int, *, per_node: bool) -> int:
+    """The rank that publishes this rank's checkpoint files: 0 on a shared disk, the node's local
+    rank 0 with per-node disks (``save_on_each_node``)."""
+    return rank - local_rank if per_node else 0
+
+
+@contextlib.contextmanager
+def saving(
+    final_dir: str, *, rank: int, leader: int, run: str, world_size: int, step: int, leftovers: str | None = None
+) -> Iterator[str]:
+    """One save of a CO2 checkpoint, as the Trainer and Accelerate both make it; collective.
+
+    Yields the staging folder (`publish.begin_save`) into which the block writes the framework's
+    files and this rank's (`save_rank_state`); a full disk there says so (`publish.writing`). When
+    the block ends without an error the folder is published as ``final_dir`` with its manifest
+    (`publish.publish`); after one, nothing is.
+    """
+    staging = publish.begin_save(final_dir, rank=rank, leader=leader, run=run, leftovers=leftovers)
+    with publish.writing(final_dir, staging):
+        yield staging
+    own = RANK_FILE.format(rank=rank)
+    publish.publish(staging, final_dir, rank=rank, leader=leader, world_size=world_size, step=step, own=own, run=run)
 
 
 def save_rank_state(
@@ -138,69 +161,6 @@ def apply_rank_state(state: dict[str, Any], *, co2: CO2, model: nn.Module, optim
         scaler.load_state_dict(state["scaler"])
 
 
-# ---------------------------------------------------------------------- another world size
-
-
-def saved_world(directory: str) -> tuple[int, int]:
-    """(world size, ``co2_worker_size``) of the run that saved ``directory``, from its config file
-    (verified with the folder first: `check_shared`)."""
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(path):
-        raise ValueError(
-            f"checkpoint {directory} has no {CONFIG_FILE}, which records the world that saved it: it can "
-            "only be resumed on the same world size"
-        )
-    saved = _read_json(path)
-    world, k = saved.get("world_size") if isinstance(saved, dict) else None, None
-    if isinstance(saved, dict):
-        k = saved.get("co2_worker_size")
-    if not (_is_count(world) and _is_count(k) and world % k == 0):
-        raise ValueError(
-            f"checkpoint {directory}: its {CONFIG_FILE} does not record a world (world_size {world!r}, "
-            f"co2_worker_size {k!r}: integers >= 1, the second dividing the first)"
-        )
-    return world, k
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
-
-
-def elastic_sources(directory: str, rank: int, world_size: int, worker_size: int) -> list[int] | None:
-    """The saved ranks whose files rank ``rank`` reads to resume on ``world_size`` processes of
-    ``worker_size`` per worker: the processes of old worker ``w mod G`` for new worker ``w``
-    (``core/reshard.py``). None when the checkpoint was saved by this very world: an exact resume."""
-    saved_size, saved_k = saved_world(directory)
-    if (saved_size, saved_k) == (world_size, worker_size):
-        return None
-    return reshard.source_ranks(saved_size // saved_k, saved_k, rank // worker_size)
-
-
-def read_states(directory: str, ranks: list[int]) -> list[dict[str, Any]]:
-    """The rank files of ``ranks`` (checked before by `check_complete` with ``sources=ranks``)."""
-    return [load_rank_file(directory, r) for r in ranks]
-
-
-def apply_resharded_state(states: list[dict[str, Any]], *, co2: CO2, optimizer: Any, scaler: Any = None) -> None:
-    """Resume this rank from the files of another world's ranks (`elastic_sources`): CO2's state
-    re-sharded, every live tensor restarted from the anchor with the received average applied (the
-    saved local parameters are not used), the inner optimizer state of the source worker re-sharded,
-    the first source rank's AMP scaler. Collective inside the worker."""
-    reshard.load_resharded(co2, [s["co2"] for s in states])
-    if optimizer is not None and states[0]["optimizer"] is not None:
-        optimizer.load_state_dict(reshard.resharded_optimizer_state([s["optimizer"] for s in states], optimizer))
-    if scaler is not None and states[0]["scaler"] is not None:
-        scaler.load_state_dict(states[0]["scaler"])
-
-
 def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
     """The anchor as a state dict of independent CPU tensors (tied names keep sharing one).
 
@@ -218,13 +178,18 @@ def anchor_for_saving(co2: CO2) -> dict[str, Tensor]:
     return state
 
 
-def write_co2_config(directory: str, config: CO2Config, *, plan: Plan, world_size: int) -> None:
-    """``co2_config.json``: the settings as they ran (``co2_fragments`` the plan's F), the world, and
-    the resolved ``plan`` under ``co2_plan``."""
-    payload = {**plan.settings(config), "world_size": world_size, "co2_plan": plan.describe()}
-    payload["num_workers"] = world_size // config.co2_worker_size
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
+def anchor_under_keys(keys: Any, anchor: dict[str, Tensor]) -> OrderedDict[str, Tensor]:
+    """The anchor (`anchor_for_saving`) under a wrapped model's state-dict ``keys`` (DDP's
+    ``module.`` prefix), as an OrderedDict like a module's state dict: a framework that drops tied
+    duplicates from one (Accelerate) then does so here too."""
+    return OrderedDict((key, anchor[_unwrapped_key(key, anchor)]) for key in keys)
+
+
+def _unwrapped_key(key: str, anchor: dict) -> str:
+    """State-dict key of the wrapped model (``module.`` from DDP) -> key of the unwrapped one."""
+    while key not in anchor and "." in key:
+        key = key.split(".", 1)[1]
+    return key
 
 
 # ---------------------------------------------------------------------- checks before resuming
@@ -242,16 +207,16 @@ def check_shared(directory: str, *, verify: bool = True) -> dict[str, Any]:
             f"checkpoint {directory} is incomplete: it has no {MANIFEST_FILE}, so its save did not "
             "finish (or it was copied from a staging folder). Resume from an earlier checkpoint."
         )
-    manifest = publish.read_manifest(directory)
+    manifest = read_manifest(directory)
     for key, entry in manifest["ranks"].items():
         if entry["file"] != RANK_FILE.format(rank=key):
             named = entry["file"]
             raise ValueError(f"checkpoint {directory}: its {MANIFEST_FILE} names {named!r} as rank {key}'s file")
-    publish.check_files(directory, manifest)
+    check_files(directory, manifest)
     rank_files = {entry["file"] for entry in manifest["ranks"].values()}
     shared = [name for name in manifest["files"] if name not in rank_files]
     if verify:
-        publish.verify_checksums(directory, manifest, shared)
+        verify_checksums(directory, manifest, shared)
     bounded.check_torch_files(directory, shared)  # the framework's files, before the framework loads them
     return manifest
 
@@ -292,50 +257,7 @@ def check_complete(
     if step is not None and manifest["step"] != step:
         raise ValueError(f"checkpoint {directory} mixes steps: its manifest says {manifest['step']}, not {step}")
     if verify:
-        publish.verify_checksums(directory, manifest, [manifest["ranks"][str(r)]["file"] for r in reads])
+        verify_checksums(directory, manifest, [manifest["ranks"][str(r)]["file"] for r in reads])
     for r in reads:  # here, so that a hostile file is refused on every rank before anything loads
         load_rank_file(directory, r, mmap=True)
     return manifest
-
-
-def warn_world_changed(
-    directory: str, *, co2: CO2, world_size: int, samples_per_step: int, step: int, log: Callable[..., None]
-) -> None:
-    """Say once (``log``: WARNING on rank 0, INFO elsewhere) what a resume on another world carried and
-    what it reset, and where the data resumes: the Trainer fast-forwards by steps, not by samples
-    (``samples_per_step``: one process's samples per optimizer step)."""
-    old_world, old_k = saved_world(directory)
-    world, k = world_size, co2.config.co2_worker_size
-    was, now = step * samples_per_step * old_world, step * samples_per_step * world
-    data = (
-        f"samples {now} to {was - 1} of the epoch's order are seen a second time"
-        if now < was
-        else f"samples {was} to {now - 1} of the epoch's order are skipped"
-        if now > was
-        else "no sample is seen twice or skipped"
-    )
-    log(
-        "CO2: resuming %s, saved by %d processes (%d workers of %d), on %d processes (%d workers of %d). "
-        "Carried over exactly, re-sharded: the anchor, the outer momentum, the outer average received "
-        "before the save (applied now, as the next boundary would have), the counters (step %d, round %d, "
-        "%d steps into it) and the learning-rate schedule; new worker w takes old worker w mod %d's inner "
-        "optimizer state and AMP scaler. Reset: every worker's local parameters restart from the anchor "
-        "(the steps each took since its round started are lost), and the start offsets. The data resumes "
-        "by steps: the saved run had read %d samples and this one skips %d, so %s (in the first epoch; "
-        "later the epochs shift too). Ranks >= %d find no RNG state of their own.",
-        directory,
-        old_world,
-        old_world // old_k,
-        old_k,
-        world,
-        world // k,
-        k,
-        step,
-        co2.round,
-        co2.round_step,
-        old_world // old_k,
-        was,
-        now,
-        data,
-        old_world,
-    )

@@ -1,0 +1,167 @@
+"""CO2's state inside Accelerate's ``save_state`` / ``load_state``: what `CO2Accelerate.save_state`
+and ``load_state`` (``accelerate.py``) hand over to `AccelerateCheckpoints`.
+
+Saving wraps ``accelerator.save_state``: a save hook puts the anchor in the model file and makes every
+rank write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2 state), and the
+folder appears only once complete, with a manifest of sizes and checksums (`rank_files.saving`, as
+the Trainer saves); a folder holding other files is refused, never replaced. Loading checks the
+folder on every rank before anything is read (refusing a missing, truncated, corrupted or unlisted
+file by name), runs ``accelerator.load_state``, then restores this rank's own file, read with
+``weights_only=True``. Nothing is registered with ``accelerator.register_for_checkpointing``:
+Accelerate unpickles those objects as full pickles (``weights_only`` off), so a checkpoint from
+elsewhere could run code; an object the user registered is refused (at construction, ``save_state``
+and ``load_state``). A plain ``accelerator.save_state`` inside the block writes the rank files too
+(no manifest); a plain ``accelerator.load_state`` of a folder with rank files is refused, naming
+``co2.load_state``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+
+from ..checkpoints import agreement, manifest, publish, rank_files
+from ..core import CO2
+
+
+class AccelerateCheckpoints:
+    """Accelerate's save and load hooks for one `CO2` (registered here, removed by `close`), and the
+    atomic save and checked load around ``accelerator.save_state`` / ``load_state``."""
+
+    def __init__(self, accelerator: Any, module: torch.nn.Module, optimizer: Any, co2: CO2) -> None:
+        self.accelerator, self.module, self.optimizer, self.co2 = accelerator, module, optimizer, co2
+        self.run: str | None = None  # this run's id (publish.py, "Runs"): `load` takes its folder's
+        self._loading: str | None = None  # the folder `load` is loading, checked already
+        self._skipped_loads: _SkippedLoads | None = None
+        # No object registered for accelerate's checkpointing: accelerate unpickles those with
+        # full pickles (weights_only off). This rank's state comes back in `load`, after theirs.
+        self._hooks = [
+            accelerator.register_save_state_pre_hook(self._save_hook),
+            accelerator.register_load_state_pre_hook(self._load_hook),
+        ]
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def save(self, output_dir: str, **kwargs: Any) -> None:
+        """``accelerator.save_state`` into a staging folder, published as ``output_dir`` once every
+        rank's files are there; collective."""
+        refuse_custom_objects(self.accelerator, "CO2Accelerate.save_state")
+        accelerator, project = self.accelerator, self.accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            raise ValueError(
+                "CO2Accelerate.save_state needs the folder's name: with "
+                "ProjectConfiguration(automatic_checkpoint_naming=True) call accelerator.save_state() "
+                "instead (not atomic)"
+            )
+        rank = accelerator.process_index
+        leader = rank_files.save_leader(rank, accelerator.local_process_index, per_node=project.save_on_each_node)
+        self.run = run = self.run or publish.new_run_id()
+        world, step = accelerator.num_processes, self.co2.inner_steps
+        with rank_files.saving(output_dir, rank=rank, leader=leader, run=run, world_size=world, step=step) as staging:
+            accelerator.save_state(staging, **kwargs)
+
+    def load(self, input_dir: str, **kwargs: Any) -> None:
+        """The folder checked on every rank, ``accelerator.load_state``, then this rank's own file;
+        collective."""
+        refuse_custom_objects(self.accelerator, "CO2Accelerate.load_state")
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        # before Accelerate reads anything: sizes and checksums of what this rank reads, every rank
+        # refusing when one does; the rank file is then checked by size only
+        self.run = agreement.agree(self._check_loadable, input_dir, rank, world) or self.run
+        self._loading = input_dir
+        try:
+            self.accelerator.load_state(input_dir, **kwargs)
+        finally:
+            self._loading = None
+            if self._skipped_loads is not None:
+                self._skipped_loads.undo()
+                self._skipped_loads = None
+        saved = rank_files.read_rank_state(input_dir, rank, world, require_manifest=False, verify=False)
+        rank_files.apply_rank_state(
+            saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=self.accelerator.scaler
+        )
+
+    def _check_loadable(self, input_dir: str, rank: int, world: int) -> str | None:
+        """Refuse what cannot be loaded; return the run that saved the folder (None: not recorded)."""
+        rank_files.check_rank_state(input_dir, rank, world, require_manifest=False)
+        # Accelerate refuses a folder whose custom-object files outnumber the registered objects, but
+        # only after loading the model and optimizer: say so first. co2_hf before this version saved
+        # one of its own (custom_checkpoint_<i>.pkl), a full pickle that is never loaded now.
+        found = sorted(glob.glob(os.path.join(input_dir, "custom_checkpoint_*.pkl")))
+        registered = len(getattr(self.accelerator, "_custom_objects", []))
+        if len(found) != registered:
+            names = ", ".join(os.path.basename(f) for f in found)
+            raise ValueError(
+                f"{input_dir} holds {len(found)} custom-object file(s) ({names}) and {registered} object(s) are "
+                "registered with accelerator.register_for_checkpointing. CO2Accelerate registers none (Accelerate "
+                "unpickles those files in full, so a checkpoint from elsewhere could run code): a folder saved by "
+                "an earlier co2_hf holds one of CO2's, which this version does not load; resume it with that co2_hf "
+                "release, or start from its model (co2.save_pretrained / from_pretrained)"
+            )
+        return manifest.saved_run(input_dir)  # None for a plain accelerator.save_state folder
+
+    def _save_hook(self, models: list, weights: list[dict], output_dir: str) -> None:
+        """The model file gets the anchor; every rank writes its own state beside it."""
+        for i, model in enumerate(models):
+            if self.accelerator.unwrap_model(model) is self.module and i < len(weights):
+                weights[i] = rank_files.anchor_under_keys(weights[i], rank_files.anchor_for_saving(self.co2))
+        rank_files.save_rank_state(
+            output_dir,
+            self.accelerator.process_index,
+            co2=self.co2,
+            model=self.module,
+            optimizer=self.optimizer,
+            scaler=self.accelerator.scaler,
+        )
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        """Accelerate loads the anchor and rank 0's optimizer next; `load` restores this rank's own
+        state after that. A plain ``accelerator.load_state`` of a CO2 folder would resume every rank
+        with rank 0's optimizer and the anchor as its local model: refused, saying what to call."""
+        if self._loading is None:
+            if glob.glob(os.path.join(input_dir, rank_files.RANK_FILE.format(rank="*"))):
+                raise ValueError(
+                    f"{input_dir} holds CO2 state: resume it with co2.load_state({input_dir!r}) (the "
+                    "CO2Accelerate object), which restores every rank's own state after accelerator.load_state"
+                )
+            return
+        if self.co2.layout.presharded:
+            # FSDP2: the model file is the whole anchor and optimizer.bin rank 0's shards; neither
+            # fits this rank's shards, and its own file restores both right after
+            self._skipped_loads = _SkippedLoads(self.module, self.optimizer)
+
+
+class _SkippedLoads:
+    """Makes a module's and an optimizer's state loading no-ops until ``undo`` (instance
+    attributes shadowing their methods), for the span of one ``accelerator.load_state``."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
+        self.objects = [module, optimizer]
+        module.state_dict = lambda *a, **k: {}
+        module.load_state_dict = lambda *a, **k: torch.nn.modules.module._IncompatibleKeys([], [])
+        optimizer.load_state_dict = lambda *a, **k: None
+
+    def undo(self) -> None:
+        for obj in self.objects:
+            for name in ("state_dict", "load_state_dict"):
+                obj.__dict__.pop(name, None)
+
+
+def refuse_custom_objects(accelerator: Any, what: str) -> None:
+    """Objects registered with ``accelerator.register_for_checkpointing`` are saved by Accelerate as
+    pickles and loaded back with ``weights_only`` off: a checkpoint from elsewhere would run code."""
+    objects = list(getattr(accelerator, "_custom_objects", []))
+    if objects:
+        names = ", ".join(type(obj).__name__ for obj in objects)
+        raise ValueError(
+            f"{what}: {len(objects)} object(s) are registered with accelerator.register_for_checkpointing "
+            f"({names}), and CO2Accelerate neither saves nor loads them: Accelerate loads them back with a full "
+            "pickle (weights_only off), so a checkpoint from elsewhere could run code in load_state. Do not "
+            "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
+            "read back with torch.load(..., weights_only=True))"
+        )
