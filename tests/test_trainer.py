@@ -425,9 +425,12 @@ def test_every_private_trainer_method_co2trainer_overrides_is_guarded():
 
     import co2_hf.integrations.trainer as module
 
+    ours = [c for c in CO2Trainer.__mro__ if c.__module__.startswith("co2_hf.")]  # CO2Trainer and its mixins
+    assert len(ours) == 3, ours
     overridden = {
-        n for n in CO2Trainer.__dict__ if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n)
+        n for c in ours for n in vars(c) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n)
     }
+    assert overridden >= {"_save_checkpoint", "_run_epoch", "_prepare_for_training"}  # one of each class
     assert overridden <= PRIVATE_TRAINER_API.keys(), overridden - PRIVATE_TRAINER_API.keys()
     listed = module.__doc__.split("The private Trainer methods overridden")[1]
     assert all(f"``{name}``" in listed for name in overridden), [n for n in overridden if f"``{n}``" not in listed]

@@ -79,6 +79,41 @@ def check_arguments(args) -> None:
         raise ValueError(f"co2_elastic=True with {flag}: allowed is False (torchft replaces a lost worker live)")
 
 
+class ReplicaOverrides:
+    """The Trainer methods `CO2Trainer` overrides on torchft only (``_replica`` set: a `Replica`);
+    without torchft each is the Trainer's own. A mixin of `CO2Trainer`, not for use apart."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        """On torchft, this replica group's shard (every group would read the whole set otherwise)."""
+        if self._replica is None:
+            return super()._get_train_sampler(train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        shuffle = self.args.train_sampling_strategy != "sequential"
+        return self._replica.sampler(dataset, seed=seed, drop_last=self.args.dataloader_drop_last, shuffle=shuffle)
+
+    def _run_epoch(self, **kwargs):
+        """A replacement on torchft skips the epochs and batches its peers trained before it rejoined,
+        as a resume from a checkpoint at that step would (the Trainer's own skipping)."""
+        replica = self._replica
+        if replica is None or replica.rejoined_at is None:
+            return super()._run_epoch(**kwargs)
+        epoch, skip = replica.epoch_position(
+            kwargs["num_update_steps_per_epoch"], self.args.gradient_accumulation_steps
+        )
+        if kwargs["epoch"] < epoch:
+            return None  # trained by the peers
+        replica.rejoined_at = None
+        kwargs.update(epochs_trained=epoch, steps_trained_in_current_epoch=skip, resume_from_checkpoint=REJOINED)
+        return super()._run_epoch(**kwargs)
+
+    def _load_rng_state(self, checkpoint):
+        """A replacement keeps its own seeded RNG: the one its predecessor had is gone with it (the data
+        order does not depend on it: the shard's sampler follows the seed and the epoch)."""
+        if checkpoint is not REJOINED:
+            super()._load_rng_state(checkpoint)
+
+
 class Replica:
     """One replica group's Trainer on torchft: builds CO2 through `TorchFT`, lends and takes the
     Trainer's state, and says where a replacement resumes in its data."""
