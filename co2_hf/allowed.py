@@ -18,11 +18,13 @@ PenaltyMode = Literal["gap_aware", "constant"]
 CommDtype = Literal["float32", "bfloat16", "int8", "int4", "sparse"]
 QuantRounding = Literal["nearest", "stochastic"]
 StateDevice = Literal["same", "cpu"]
+FaultTolerance = Literal["none", "torchft"]
 START_RULES = get_args(StartRule)
 PENALTY_MODES = get_args(PenaltyMode)
 COMM_DTYPES = get_args(CommDtype)
 QUANT_ROUNDINGS = get_args(QuantRounding)
 STATE_DEVICES = get_args(StateDevice)
+FAULT_TOLERANCES = get_args(FaultTolerance)
 CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
 SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/sparse.py)
 MAX_SPARSE_BLOCK = 256  # the sparse wire sends a kept value's position within its block as one byte
@@ -50,7 +52,7 @@ SPARSE_ONLY = {
     "co2_sparse_keep_unsent": False,
     "co2_sparse_feedback_decay": 1.0,
 }
-BOOLEANS = ("co2_enabled", "co2_nesterov", "co2_overlap", "co2_sparse_keep_unsent")
+BOOLEANS = ("co2_enabled", "co2_nesterov", "co2_overlap", "co2_sparse_keep_unsent", "co2_elastic")
 CHOICES = {
     "co2_start_rule": START_RULES,
     "co2_gap_penalty_mode": PENALTY_MODES,
@@ -111,6 +113,7 @@ def check_settings(config: Any) -> None:
     for name, allowed in CHOICES.items():
         value = getattr(config, name)
         _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+    _check_hosting(config)
 
 
 def _check_outer_step(config: Any) -> None:
@@ -193,6 +196,43 @@ def _check_sparse(config: Any) -> None:
         raise ValueError(
             f"co2_quant_block={block} is not allowed with co2_comm_dtype='sparse' (a kept value's "
             f"position in its block travels as one byte): it must be an even integer in [2, {MAX_SPARSE_BLOCK}]"
+        )
+
+
+def _check_hosting(config: Any) -> None:
+    """How the run is hosted: the fault tolerance, and what it cannot be combined with. What a front
+    door does not run, it refuses itself (`refuse_elastic`, `refuse_torchft`)."""
+    value = config.co2_fault_tolerance
+    if value not in FAULT_TOLERANCES:
+        raise ValueError(f"co2_fault_tolerance={value!r}: allowed are {', '.join(map(repr, FAULT_TOLERANCES))}")
+    if value == "none":
+        return
+    flag = "co2_fault_tolerance='torchft'"
+    if not config.co2_enabled:
+        raise ValueError(f"{flag} needs co2_enabled=True")
+    if config.co2_elastic:
+        raise ValueError(f"co2_elastic=True with {flag}: allowed is False (torchft replaces a lost worker live)")
+
+
+def refuse_elastic(config: Any, front_door: str) -> None:
+    """``co2_elastic=True`` where ``front_door`` does not resume on another world: refused, naming
+    where it is supported, before any process group starts."""
+    if config.co2_elastic:
+        raise ValueError(
+            f"co2_elastic=True is not supported by {front_door}: allowed is False. Resuming on another number "
+            "of processes is supported by CO2Trainer (--co2_elastic true); with the bare engine, load the "
+            "saved states through co2_hf.core.reshard.load_resharded"
+        )
+
+
+def refuse_torchft(config: Any, front_door: str) -> None:
+    """``co2_fault_tolerance='torchft'`` where ``front_door`` does not run on torchft: refused, naming
+    the allowed values and where it is supported, before any process group starts."""
+    if config.co2_fault_tolerance != "none":
+        raise ValueError(
+            f"co2_fault_tolerance={config.co2_fault_tolerance!r} is not supported by {front_door}: allowed is "
+            f"'none' there (of {', '.join(map(repr, FAULT_TOLERANCES))}). torchft is supported by CO2Trainer "
+            "(--co2_fault_tolerance torchft) and, for the bare engine, by co2_hf.torchft.TorchFT(config).build"
         )
 
 

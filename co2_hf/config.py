@@ -17,11 +17,12 @@ from typing import Any
 from .allowed import (
     CODE_BITS,
     MAX_LOCAL_STEPS,
-    MAX_SPARSE_BLOCK,  # noqa: F401 (and the two below: read from here by core/sparse.py and scripts)
+    MAX_SPARSE_BLOCK,  # noqa: F401 (each noqa: a name core/sparse.py, scripts or tests read from here)
     MIN_TIMEOUT_S,
     SPARSE_BITS,  # noqa: F401
     SPARSE_ONLY,
     CommDtype,
+    FaultTolerance,
     PenaltyMode,
     QuantRounding,
     StartRule,
@@ -31,6 +32,12 @@ from .allowed import (
     check_world,
     max_paying_workers,  # noqa: F401
 )
+
+# Settings of how a run is hosted, not of what it computes: left out of `CO2Config.co2_dict`, so a
+# checkpoint neither records nor compares them. co2_elastic differs by design between the run that
+# saved and the elastic run that resumes; a run on torchft resumes a checkpoint of one without (and
+# the other way round) with the same outer state. Checkpoints from before they were settings lack them.
+HOSTING = ("co2_elastic", "co2_fault_tolerance")
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -159,6 +166,23 @@ class CO2Config:
         900.0, f"Seconds to wait for an outer all-reduce before failing with a clear error (>= {MIN_TIMEOUT_S:g})."
     )
 
+    # How the run is hosted, not what it computes (`HOSTING`): CO2Trainer runs both; CO2Accelerate
+    # and the engine on its own communicator refuse what they do not run (allowed.refuse_*)
+    co2_elastic: bool = _knob(
+        False,
+        "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
+        "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
+        "worker restarts from the anchor; not bit-identical (docs/reliability.md, 'Losing a node'). "
+        "False: refused.",
+    )
+    co2_fault_tolerance: FaultTolerance = _knob(
+        "none",
+        "'torchft': each replica group (one process, its own launch) joins the torchft job that "
+        "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS name; a killed one's round is dropped by "
+        "the others, who never stop, and its replacement rejoins from a live peer (docs/reliability.md, "
+        "'Surviving failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank.",
+    )
+
     def __post_init__(self) -> None:
         self.validate_co2()
 
@@ -239,8 +263,10 @@ class CO2Config:
         return check_world(self, world_size)
 
     def co2_dict(self) -> dict[str, Any]:
-        """The ``co2_*`` fields as a plain dict (what checkpoints and model cards store)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CO2Config)}
+        """The ``co2_*`` settings as a plain dict: what a checkpoint must match on loading and what
+        ``co2_config.json`` and model cards record. Not the `HOSTING` ones: they say how a run is
+        hosted, and the run that resumes a checkpoint may be hosted otherwise."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CO2Config) if f.name not in HOSTING}
 
     @classmethod
     def from_object(cls, obj: Any) -> CO2Config:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ..allowed import refuse_torchft
 from ..config import CO2Config
 from .comm import Communicator
 from .fragment import Fragment
@@ -60,7 +61,9 @@ class CO2:
 
     Args:
         model: the module to train; construct CO2 after moving it to its device.
-        config: the ``co2_*`` settings (``CO2Config()`` when None).
+        config: the ``co2_*`` settings (``CO2Config()`` when None). ``co2_fault_tolerance='torchft'``
+            needs torchft's communicator (``co2_hf.torchft.TorchFT(config).build``); ``co2_elastic``
+            is the Trainer's (on its own, resume elsewhere with ``reshard.load_resharded``).
         optimizer: the inner optimizer; when given, a worker found non-finite has its state cleared.
         process_group: the group of workers; None makes a dedicated group over all ranks of the
             default group (collective: every rank constructs CO2 at the same point), or runs a
@@ -86,6 +89,8 @@ class CO2:
         self.config = cfg = config if config is not None else CO2Config()
         if not cfg.co2_enabled:
             raise ValueError("co2_enabled=False: train without CO2 (plain data parallel) instead")
+        if communicator is None or not communicator.reconfigures:  # before any group is made
+            refuse_torchft(cfg, "CO2 without torchft's communicator")
         self.model = model
         device = state_device(model, cfg)
         comm = communicator or make_communicator(

@@ -90,7 +90,7 @@ class CO2Trainer(Trainer):
         self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
         self._co2_run: str | None = None  # this run's id (publish.py, "Runs"): a resume takes its checkpoint's
         self._warned_local_gathers = False
-        torchft = self.co2_config is not None and getattr(self.args, "co2_fault_tolerance", "none") == "torchft"
+        torchft = self.co2_config is not None and self.co2_config.co2_fault_tolerance == "torchft"
         self._replica = fault_tolerance.Replica(self) if torchft else None  # this replica group, on torchft
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments
@@ -189,7 +189,7 @@ class CO2Trainer(Trainer):
         return args.process_index - args.local_process_index if args.save_on_each_node else 0
 
     def _elastic_sources(self, directory: str) -> list[int] | None:
-        if not getattr(self.args, "co2_elastic", False):
+        if not self.co2_config.co2_elastic:
             return None
         rank, world = self.args.process_index, self.args.world_size
         return checkpoint.elastic_sources(directory, rank, world, self.co2_config.co2_worker_size)
