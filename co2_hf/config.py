@@ -205,6 +205,8 @@ class CO2Config:
             elif isinstance(value, numbers.Real):
                 setattr(self, f.name, float(value))
 
+    # F and k are resolved here and nowhere else: the engine's `Plan` (core/schedule.py) takes them
+    # from these two properties, and the engine reads tau, F and k from its plan
     @property
     def fragments(self) -> int:
         """F, with the default resolved: tau fragments, or one where a window or no overlap is set."""

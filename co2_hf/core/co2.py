@@ -97,7 +97,7 @@ class CO2(Reports, AnchorViews):
         self._comm = comm  # fixed at construction, shared by every fragment
         self.config = cfg = fit_default_fragments(cfg, FlatLayout.shard_numel_of(model, comm.worker_size))
         self.plan = Plan.resolve(cfg)
-        self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
+        self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel, self.plan.fragments)
         self.device, pinned = device, pin_state(model, device)  # where the outer state lives
         # Host-memory state for a GPU model with streaming fragments is worked on by the GPU, a
         # fragment at a time (residency.py); ``stage_state`` forces that on or off (tests stage on the CPU)
@@ -205,7 +205,7 @@ class CO2(Reports, AnchorViews):
                 self.fragments[f].boundary(self.progress.inner_steps)
             else:
                 self.fragments[f].apply_in_round()
-        if self.progress.round_step >= self.config.co2_local_steps:
+        if self.progress.round_step >= self.plan.local_steps:
             self._end_round()
         if due:
             self._tally.mirror.refresh()
@@ -217,7 +217,7 @@ class CO2(Reports, AnchorViews):
     def _prefetch(self) -> None:
         """Host-memory state: the fragments whose boundary comes after the next step start coming to
         the GPU now, while it computes that step (residency.py)."""
-        p, tau = self.progress, self.config.co2_local_steps
+        p, tau = self.progress, self.plan.local_steps
         if p.warmup_done:
             for event, f in self.plan.due(p.round_step % tau + 1):
                 if event is Event.BOUNDARY:
@@ -371,8 +371,9 @@ def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
     return next((p.device for p in model.parameters()), fallback)
 
 
-def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int):
-    """The number of worker processes (checked against the config) and this process's flat layout."""
+def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int, fragments: int):
+    """The number of worker processes (checked against the config) and this process's flat layout, cut
+    into the plan's ``fragments``."""
     if comm.worker_size != cfg.co2_worker_size:
         raise ValueError(
             f"co2_worker_size={cfg.co2_worker_size} but the communicator has {comm.worker_size} process(es) per worker"
@@ -383,7 +384,7 @@ def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, ch
         worker_size=comm.worker_size,
         shard_index=comm.shard_index,
         chunk_numel=chunk_numel,
-        fragments=cfg.fragments,
+        fragments=fragments,
     )
     if layout.presharded:  # FSDP2 inside the worker, never across workers
         layout.check_sharded_over(comm.worker_ranks())
