@@ -1,73 +1,43 @@
-"""`CO2Config`: every ``co2_*`` knob, declared once, with its help text and its validation.
+"""`CO2Config`: every ``co2_*`` knob, declared once, with its help text, and what it means to the engine.
 
 The field name is the command-line flag (``--co2_local_steps``), the key in a checkpoint's
 ``co2_config.json`` and the attribute the engine reads. Integrations (the Trainer's arguments, the
 Accelerate helper, the recipes) inherit or wrap this dataclass; none of them declares a knob again.
+Which values each knob accepts, alone, together and for a number of processes, is ``allowed.py``'s:
+the config and its checks import nothing else of co2_hf.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-# each choice's allowed values, once: the field's type (what HfArgumentParser offers as choices) and
-# the tuple the checks name in their errors
-StartRule = Literal["anchor", "eager", "lookahead"]
-PenaltyMode = Literal["gap_aware", "constant"]
-CommDtype = Literal["float32", "bfloat16", "int8", "int4", "sparse"]
-QuantRounding = Literal["nearest", "stochastic"]
-StateDevice = Literal["same", "cpu"]
-START_RULES = get_args(StartRule)
-PENALTY_MODES = get_args(PenaltyMode)
-COMM_DTYPES = get_args(CommDtype)
-QUANT_ROUNDINGS = get_args(QuantRounding)
-CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
-SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/sparse.py)
-MAX_SPARSE_BLOCK = 256  # the sparse wire sends a kept value's position within its block as one byte
-STATE_DEVICES = get_args(StateDevice)
+from .allowed import (
+    CODE_BITS,
+    MAX_LOCAL_STEPS,
+    MAX_SPARSE_BLOCK,  # noqa: F401 (each noqa: a name core/sparse.py, scripts or tests read from here)
+    MIN_TIMEOUT_S,
+    SPARSE_BITS,  # noqa: F401
+    SPARSE_ONLY,
+    CommDtype,
+    FaultTolerance,
+    PenaltyMode,
+    QuantRounding,
+    StartRule,
+    StateDevice,
+    bytes_per_value,  # noqa: F401
+    check_settings,
+    check_world,
+    max_paying_workers,  # noqa: F401
+)
 
-# The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
-# only while they stay <= 256 (bfloat16 has 8 significant bits).
-MAX_BF16_WORKERS = 256
-# co2_timeout_s becomes process-group timeouts (datetime.timedelta, milliseconds in c10d) and thread
-# waits (threading.TIMEOUT_MAX): a year is far inside all of them and longer than any real wait.
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
-# ... and at least a second: c10d truncates a wait's timedelta to whole milliseconds (pybind11's
-# duration_cast), and 0 ms is its "no timeout", so 0.0001 s waited for the group's timeout instead;
-# ddp_timeout follows it in whole seconds, and an all-reduce across machines takes longer anyway.
-MIN_TIMEOUT_S = 1.0
-# Rounds of at most this many inner steps. The default co2_fragments is one fragment per inner step,
-# each with its own all-reduce and state, and the engine's start-up grows faster than linearly with
-# their number (7 s for 10,000 on a 1M-parameter model here); a longer round would mix the workers
-# a handful of times in a whole run. Published local-SGD runs use tens to a few thousand steps.
-MAX_LOCAL_STEPS = 10_000
-# Settings read by the sparse wire only, with their defaults: another value with another wire would
-# be accepted and have no effect.
-SPARSE_ONLY = {
-    "co2_sparse_density": 1 / 64,
-    "co2_sparse_bits": 2,
-    "co2_sparse_keep_unsent": False,
-    "co2_sparse_feedback_decay": 1.0,
-}
-
-
-def bytes_per_value(*, block: int, keep: int, bits: int) -> float:
-    """Sparse wire payload bytes per value, padding aside (core/sparse.py's layout: per block, ``keep``
-    uint8 indices, ``keep`` codes of ``bits`` and one fp32 scale). Here, not in core/sparse.py, so
-    that the settings check needs nothing from the engine (this module imports no other of ours)."""
-    return (keep + keep * bits / 8 + 4) / block
-
-
-def max_paying_workers(*, block: int, keep: int, bits: int, int4_block: int) -> int:
-    """The most workers G at which the all-gather of sparse payloads, ``(G-1) S`` bytes sent per rank,
-    still sends fewer bytes than the dense int4 ring all-reduce, ``2 (G-1)/G x B4``: ``G < 2 B4 / S``."""
-    int4 = (int4_block / 2 + 4) / int4_block
-    ratio = 2 * int4 / bytes_per_value(block=block, keep=keep, bits=bits)
-    limit = int(ratio)
-    return limit - 1 if limit == ratio else limit
+# Settings of how a run is hosted, not of what it computes: left out of `CO2Config.co2_dict`, so a
+# checkpoint neither records nor compares them. co2_elastic differs by design between the run that
+# saved and the elastic run that resumes; a run on torchft resumes a checkpoint of one without (and
+# the other way round) with the same outer state. Checkpoints from before they were settings lack them.
+HOSTING = ("co2_elastic", "co2_fault_tolerance")
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -196,87 +166,34 @@ class CO2Config:
         900.0, f"Seconds to wait for an outer all-reduce before failing with a clear error (>= {MIN_TIMEOUT_S:g})."
     )
 
+    # How the run is hosted, not what it computes (`HOSTING`): CO2Trainer runs both; CO2Accelerate
+    # and the engine on its own communicator refuse what they do not run (allowed.refuse_*)
+    co2_elastic: bool = _knob(
+        False,
+        "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
+        "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
+        "worker restarts from the anchor; not bit-identical (docs/reliability.md, 'Losing a node'). "
+        "False: refused.",
+    )
+    co2_fault_tolerance: FaultTolerance = _knob(
+        "none",
+        "'torchft': each replica group (one process, its own launch) joins the torchft job that "
+        "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS name; a killed one's round is dropped by "
+        "the others, who never stop, and its replacement rejoins from a live peer (docs/reliability.md, "
+        "'Surviving failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank.",
+    )
+
     def __post_init__(self) -> None:
         self.validate_co2()
 
     # Named validate_co2 (not validate) so that a TrainingArguments subclass can mix it in safely.
     def validate_co2(self) -> None:
-        """Raise ``ValueError`` naming the field, the value and what is allowed.
+        """Raise ``ValueError`` naming the field, the value and what is allowed (``allowed.py``).
 
         Numbers of other numeric types (``numpy.int64(4)``, ``numpy.float32(0.5)``) are accepted and
         stored as Python ``int`` / ``float``, so that the config saves as JSON like any other."""
         self._normalise_numbers()
-        for name in ("co2_enabled", "co2_nesterov", "co2_overlap", "co2_sparse_keep_unsent"):
-            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
-        _check_int(self, "co2_local_steps", minimum=1)
-        _check(
-            "co2_local_steps",
-            self.co2_local_steps,
-            self.co2_local_steps <= MAX_LOCAL_STEPS,
-            f"an integer in [1, {MAX_LOCAL_STEPS}] (a longer round would average the workers only a few times "
-            "in a run, and its default co2_fragments, one per inner step, would make the start-up slow)",
-        )
-        _check_int(self, "co2_sync_warmup_steps", minimum=0)
-        _check_int(self, "co2_worker_size", minimum=1)
-        _check_int(self, "co2_max_skipped_rounds", minimum=0)
-        _check_int(self, "co2_quant_block", minimum=2)
-        _check("co2_quant_block", self.co2_quant_block, self.co2_quant_block % 2 == 0, "an even integer >= 2")
-        alpha = self.co2_outer_lr
-        _check("co2_outer_lr", alpha, _is_real(alpha) and alpha > 0, "a finite number > 0")
-        beta = self.co2_outer_momentum
-        _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
-        gamma = self.co2_eager_weight
-        _check("co2_eager_weight", gamma, _is_real(gamma) and 0 <= gamma <= 1, "a number in [0, 1]")
-        if gamma != 1 and self.co2_start_rule != "eager":
-            raise ValueError(
-                f"co2_eager_weight={gamma} is not allowed with co2_start_rule={self.co2_start_rule!r} (it weighs "
-                "the 'eager' start only): allowed value here is 1.0"
-            )
-        lam = self.co2_gap_penalty
-        _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
-        phi = self.co2_clip_threshold
-        _check(
-            "co2_clip_threshold",
-            phi,
-            phi is None or (_is_real(phi) and phi > 0),
-            "a finite number > 0, or None for no clipping",
-        )
-        window = self.co2_overlap_steps
-        _check(
-            "co2_overlap_steps",
-            window,
-            window is None or (isinstance(window, int) and not isinstance(window, bool) and 1 <= window),
-            "an integer >= 1 and < co2_local_steps, or None for a full round of overlap",
-        )
-        if window is not None and window >= self.co2_local_steps:
-            raise ValueError(
-                f"co2_overlap_steps={window} is not allowed with co2_local_steps={self.co2_local_steps}: it "
-                "must be < co2_local_steps (None gives a full round of overlap)"
-            )
-        if window is not None and not self.co2_overlap:
-            raise ValueError(
-                f"co2_overlap_steps={window} needs co2_overlap=True (with co2_overlap=False the average is "
-                "applied at once): allowed value here is None"
-            )
-        self._validate_fragments()
-        self._validate_sparse()
-        timeout = self.co2_timeout_s
-        _check(
-            "co2_timeout_s",
-            timeout,
-            _is_real(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
-            f"a finite number of seconds >= {MIN_TIMEOUT_S:g} and <= {MAX_TIMEOUT_S:.0f} (one year); gloo and "
-            "NCCL count timeouts in whole milliseconds, where 0 means none",
-        )
-        for name, allowed in (
-            ("co2_start_rule", START_RULES),
-            ("co2_gap_penalty_mode", PENALTY_MODES),
-            ("co2_comm_dtype", COMM_DTYPES),
-            ("co2_quant_rounding", QUANT_ROUNDINGS),
-            ("co2_state_device", STATE_DEVICES),
-        ):
-            value = getattr(self, name)
-            _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+        check_settings(self)
 
     def _normalise_numbers(self) -> None:
         for f in dataclasses.fields(CO2Config):
@@ -288,44 +205,8 @@ class CO2Config:
             elif isinstance(value, numbers.Real):
                 setattr(self, f.name, float(value))
 
-    def _validate_sparse(self) -> None:
-        density, bits = self.co2_sparse_density, self.co2_sparse_bits
-        _check("co2_sparse_density", density, _is_real(density) and 0 < density <= 1, "a number in (0, 1]")
-        _check("co2_sparse_bits", bits, bits in SPARSE_BITS and not isinstance(bits, bool), "2 or 4")
-        decay = self.co2_sparse_feedback_decay
-        _check("co2_sparse_feedback_decay", decay, _is_real(decay) and 0 < decay <= 1, "a number in (0, 1]")
-        if not self.sparse_wire:
-            for name, default in SPARSE_ONLY.items():
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} has no effect with co2_comm_dtype={self.co2_comm_dtype!r}: "
-                        f"only co2_comm_dtype='sparse' reads it. Drop it (allowed value here is {default!r}), or set "
-                        "co2_comm_dtype='sparse'"
-                    )
-        block = self.co2_quant_block
-        if self.co2_comm_dtype == "sparse" and block > MAX_SPARSE_BLOCK:
-            raise ValueError(
-                f"co2_quant_block={block} is not allowed with co2_comm_dtype='sparse' (a kept value's "
-                f"position in its block travels as one byte): it must be an even integer in [2, {MAX_SPARSE_BLOCK}]"
-            )
-
-    def _validate_fragments(self) -> None:
-        fragments, tau = self.co2_fragments, self.co2_local_steps
-        if fragments is None:
-            return
-        _check_int(self, "co2_fragments", minimum=1)
-        if tau % fragments:
-            raise ValueError(
-                f"co2_fragments={fragments} must divide co2_local_steps={tau} (one fragment reaches its "
-                f"boundary every tau/F steps): allowed values are {_divisors(tau)}"
-            )
-        if fragments > 1 and self.co2_overlap_steps is not None:
-            raise ValueError(
-                f"co2_overlap_steps={self.co2_overlap_steps} cannot be combined with co2_fragments={fragments}: "
-                f"each fragment's average is applied co2_local_steps / co2_fragments = {tau // fragments} "
-                "steps after its launch. Allowed value here is None"
-            )
-
+    # F and k are resolved here and nowhere else: the engine's `Plan` (core/schedule.py) takes them
+    # from these two properties, and the engine reads tau, F and k from its plan
     @property
     def fragments(self) -> int:
         """F, with the default resolved: tau fragments, or one where a window or no overlap is set."""
@@ -381,61 +262,15 @@ class CO2Config:
 
         Integrations call this before creating any process group, so a bad launch fails at once.
         """
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
-        k = self.co2_worker_size
-        if world_size % k:
-            raise ValueError(
-                f"co2_worker_size={k} must divide the world size {world_size}: allowed values are "
-                f"the divisors of {world_size}: {_divisors(world_size)}"
-            )
-        workers = world_size // k
-        if self.co2_comm_dtype == "bfloat16" and workers > MAX_BF16_WORKERS:
-            raise ValueError(
-                f"co2_comm_dtype='bfloat16' supports at most {MAX_BF16_WORKERS} workers (its round "
-                f"check is exact only up to there); got {workers}. Use co2_comm_dtype='float32'."
-            )
-        if self.sparse_wire:
-            self._check_sparse_pays(workers)
-        return workers
-
-    def _check_sparse_pays(self, workers: int) -> None:
-        """The sparse all-gather sends (G-1) payloads per rank: past `max_paying_workers` the dense
-        int4 all-reduce sends fewer bytes, so such a launch is refused (docs/algorithm.md)."""
-        block, keep, bits = self.co2_quant_block, self.sparse_keep, self.co2_sparse_bits
-        limit = max_paying_workers(block=block, keep=keep, bits=bits, int4_block=block)
-        if workers > limit:
-            raise ValueError(
-                f"co2_comm_dtype='sparse' with co2_sparse_density={self.co2_sparse_density}, "
-                f"co2_sparse_bits={bits} and co2_quant_block={block} sends more bytes than "
-                f"co2_comm_dtype='int4' beyond {limit} workers (an all-gather of every worker's payload "
-                f"grows with G); got {workers}. Use co2_comm_dtype='int4', or a lower co2_sparse_density."
-            )
+        return check_world(self, world_size)
 
     def co2_dict(self) -> dict[str, Any]:
-        """The ``co2_*`` fields as a plain dict (what checkpoints and model cards store)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CO2Config)}
+        """The ``co2_*`` settings as a plain dict: what a checkpoint must match on loading and what
+        ``co2_config.json`` and model cards record. Not the `HOSTING` ones: they say how a run is
+        hosted, and the run that resumes a checkpoint may be hosted otherwise."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CO2Config) if f.name not in HOSTING}
 
     @classmethod
     def from_object(cls, obj: Any) -> CO2Config:
         """Build a config from any object carrying the ``co2_*`` attributes (e.g. training args)."""
         return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}")
-
-
-def _check_int(config: CO2Config, name: str, *, minimum: int) -> None:
-    value = getattr(config, name)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _check(name, value, ok, f"an integer >= {minimum}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -50,6 +50,8 @@ INVALID = [
     ("co2_worker_size", 0, "integer >= 1"),
     ("co2_state_device", "cuda", "'same', 'cpu'"),
     ("co2_max_skipped_rounds", -2, "integer >= 0"),
+    ("co2_elastic", "yes", "True or False"),
+    ("co2_fault_tolerance", "bogus", "allowed are 'none', 'torchft'"),
     ("co2_timeout_s", 0, "seconds >= 1"),
     (
         "co2_timeout_s",

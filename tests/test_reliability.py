@@ -64,6 +64,8 @@ BAD_FLAGS = [
     ("co2_timeout_s", "0.0001", "a finite number of seconds >= 1"),
     ("co2_timeout_s", "inf", "a finite number of seconds >= 1"),
     ("co2_local_steps", "1000000000", "an integer in [1, 10000]"),
+    ("co2_elastic", "maybe", "expected one of yes/no"),
+    ("co2_fault_tolerance", "bogus", "choose from"),
 ]
 
 

@@ -19,48 +19,45 @@ by ``tau / F`` steps; with one fragment it is the whole state. The fragments' co
 buffers come from one `WirePool` (``wire.py``): a buffer is held only from a boundary until its
 average is applied, so streaming fragments share one. Reading and writing the live tensors is
 `LiveTensors` (``live.py``); scratch memory is one chunk.
+
+Beside the engine, in their own modules: what it reports (its clock, waits, bytes and metrics:
+`Reports`, ``reports.py``) and evaluation on the anchor (`AnchorViews`, ``anchor.py``), both mixed
+into `CO2`; what it does about the device's tally and the rounds' timing (`Watch`, ``watch.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import time
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch import nn
 
+from ..allowed import refuse_torchft
 from ..config import CO2Config
+from .anchor import AnchorViews
 from .comm import Communicator
 from .fragment import Fragment
 from .groups import make_communicator
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
-from .live import LiveTensors, Scratch, has_dtensors, pin_state, reshard_fsdp, state_device
+from .live import LiveTensors, Scratch, has_dtensors, pin_state, state_device
+from .reports import Reports
 from .rules import warn_about_start_rule
 from .schedule import Event, Plan, fit_default_fragments
 from .state import STATE_FORMAT, Progress, check_compatible, from_dict, to_dict, upgrade
-from .tally import CONSECUTIVE_SKIPPED, NONFINITE, NONFINITE_ROUND, OUT_OF_STEP, OUT_OF_STEP_ROUND, SKIPPED, Tally
+from .tally import Tally
+from .watch import Watch
 from .wire import WirePool
 
-logger = logging.getLogger(__name__)
 
-TIMEOUT_CHECK_BOUNDARY = 3  # co2_timeout_s is compared with the round timed between boundaries 2 and 3
-# How pop_metrics combines a round's per-fragment means into one figure per metric (default: sum:
-# seconds add up over a round's fragments)
-ROOT_SUM_SQUARE = ("outer_grad_norm", "momentum_norm")  # norms of the whole outer vectors
-MEAN = ("clip_ratio",)
-PENALTY = ("penalty_sum", "penalty_elements")  # summed over the window: penalty_mean is their ratio
-
-
-class CO2:
+class CO2(Reports, AnchorViews):
     """CO2 data-parallel training around an ``nn.Module``; call ``step()`` after each optimizer step.
 
     Args:
         model: the module to train; construct CO2 after moving it to its device.
-        config: the ``co2_*`` settings (``CO2Config()`` when None).
+        config: the ``co2_*`` settings (``CO2Config()`` when None). ``co2_fault_tolerance='torchft'``
+            needs torchft's communicator (``co2_hf.torchft.TorchFT(config).build``); ``co2_elastic``
+            is the Trainer's (on its own, resume elsewhere with ``reshard.load_resharded``).
         optimizer: the inner optimizer; when given, a worker found non-finite has its state cleared.
         process_group: the group of workers; None makes a dedicated group over all ranks of the
             default group (collective: every rank constructs CO2 at the same point), or runs a
@@ -86,6 +83,8 @@ class CO2:
         self.config = cfg = config if config is not None else CO2Config()
         if not cfg.co2_enabled:
             raise ValueError("co2_enabled=False: train without CO2 (plain data parallel) instead")
+        if communicator is None or not communicator.reconfigures:  # before any group is made
+            refuse_torchft(cfg, "CO2 without torchft's communicator")
         self.model = model
         device = state_device(model, cfg)
         comm = communicator or make_communicator(
@@ -98,7 +97,7 @@ class CO2:
         self._comm = comm  # fixed at construction, shared by every fragment
         self.config = cfg = fit_default_fragments(cfg, FlatLayout.shard_numel_of(model, comm.worker_size))
         self.plan = Plan.resolve(cfg)
-        self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel)
+        self.num_workers, self.layout = _workers_and_layout(model, cfg, comm, chunk_numel, self.plan.fragments)
         self.device, pinned = device, pin_state(model, device)  # where the outer state lives
         # Host-memory state for a GPU model with streaming fragments is worked on by the GPU, a
         # fragment at a time (residency.py); ``stage_state`` forces that on or off (tests stage on the CPU)
@@ -114,13 +113,10 @@ class CO2:
         self._momentum = torch.zeros(n, **zeros)
         self.optimizer = optimizer  # a worker found non-finite has its state cleared
         self._tally = Tally(len(self.layout.fragment_edges) - 1, compute)  # what the device counts (tally.py)
-        self._nonfinite_seen = [0.0] * (len(self.layout.fragment_edges) - 1)  # per fragment: warned up to here
         self.fragments = self._make_fragments(pinned)
         warn_about_start_rule(self.plan)
         self.progress = Progress(warmup_done=cfg.co2_sync_warmup_steps == 0)
-        self._boundaries_run = 0  # by this instance (not saved): the timeout check runs from the third
-        self._timeout_checked = False
-        self._round_started: float | None = None
+        self._watch = Watch(cfg, self.fragments, comm)  # stops, quarantines, times rounds (watch.py)
         self._take_anchor()
 
     def _make_fragments(self, pinned: bool) -> list[Fragment]:
@@ -209,7 +205,7 @@ class CO2:
                 self.fragments[f].boundary(self.progress.inner_steps)
             else:
                 self.fragments[f].apply_in_round()
-        if self.progress.round_step >= self.config.co2_local_steps:
+        if self.progress.round_step >= self.plan.local_steps:
             self._end_round()
         if due:
             self._tally.mirror.refresh()
@@ -221,7 +217,7 @@ class CO2:
     def _prefetch(self) -> None:
         """Host-memory state: the fragments whose boundary comes after the next step start coming to
         the GPU now, while it computes that step (residency.py)."""
-        p, tau = self.progress, self.config.co2_local_steps
+        p, tau = self.progress, self.plan.local_steps
         if p.warmup_done:
             for event, f in self.plan.due(p.round_step % tau + 1):
                 if event is Event.BOUNDARY:
@@ -237,44 +233,10 @@ class CO2:
 
     def _check(self) -> None:
         """Act on what the device tallied at the boundaries, once its copy has reached host memory
-        (on the CPU at once; on a GPU a step or so later, never waited for): stop on ranks out of
-        step or ``co2_max_skipped_rounds`` skips in a row; for a non-finite worker, warn, clear the
-        inner optimizer and restart every fragment's round (the NaN reaches every parameter)."""
+        (on the CPU at once; on a GPU a step or so later, never waited for): `Watch.act_on`."""
         rows = self._tally.mirror.poll()
-        if rows is None:
-            return
-        limit = self.config.co2_max_skipped_rounds
-        for f, (part, row) in enumerate(zip(self.fragments, rows)):
-            if row[OUT_OF_STEP] > 0:  # training stops at the first
-                raise RuntimeError(
-                    f"CO2: ranks out of step at round {int(row[OUT_OF_STEP_ROUND])}: the outer all-reduce mixed "
-                    "different rounds (every rank must call CO2.step() once per inner step)"
-                )
-            if limit and row[CONSECUTIVE_SKIPPED] >= limit:
-                raise RuntimeError(
-                    f"CO2: no worker had a finite outer gradient for {int(row[CONSECUTIVE_SKIPPED])} "
-                    f"consecutive rounds (co2_max_skipped_rounds={limit}); stopping"
-                )
-            if row[NONFINITE] > self._nonfinite_seen[f]:
-                self._nonfinite_seen[f] = row[NONFINITE]
-                self._quarantine(part, int(row[NONFINITE_ROUND]))
-
-    def _quarantine(self, found: Fragment, round_index: int) -> None:
-        """This worker's outer gradient was not finite at ``found``'s boundary of ``round_index``: it
-        sent zeros there and restarted that fragment (on the device). Its other fragments' steps ran
-        on the same faulty values, and so did the inner optimizer's: restart them all, clear it. If
-        the host learns of it at a later step (a GPU), ``found``'s steps since are restarted too."""
-        logger.warning(
-            "CO2: worker %d has a non-finite outer gradient at round %d; it sends nothing this "
-            "round, returns to the anchor and clears its inner optimizer state",
-            self.comm.worker_index,
-            round_index,
-        )
-        for part in self.fragments:
-            if part is not found or found.boundary_step != self.progress.inner_steps:
-                part.restart()
-        if self.optimizer is not None:
-            self.optimizer.state.clear()
+        if rows is not None:
+            self._watch.act_on(rows, inner_steps=self.progress.inner_steps, optimizer=self.optimizer)
 
     def _start_quorum(self) -> bool:
         """Receive every all-reduce in flight (the transport's group may change with the quorum),
@@ -286,50 +248,12 @@ class CO2:
     # ------------------------------------------------------------------ what the plan runs (fragment.py)
 
     def _end_round(self) -> None:
-        """After step tau: the round counter moves on; from the third round on, the first whose
-        communication times the host knows without waiting checks the timeout (once)."""
-        compute_s = time.perf_counter() - self._round_started if self._round_started is not None else 0.0
+        """After step tau: the round counter moves on, and the watch times the round."""
         self.progress.round += 1
         self.progress.round_step = 0
-        self._boundaries_run += 1
-        if self._boundaries_run >= TIMEOUT_CHECK_BOUNDARY and not self._timeout_checked:
-            known = [part.last_comm_known() for part in self.fragments]
-            if None not in known:
-                _check_timeout(self.config.co2_timeout_s, compute_s, sum(known))
-                self._timeout_checked = True
-        self._round_started = time.perf_counter()
+        self._watch.round_ended()
 
-    # ------------------------------------------------------------------ counters and the rest of the API
-
-    inner_steps = property(lambda self: self.progress.inner_steps, doc="Inner steps since construction.")
-    round = property(lambda self: self.progress.round, doc="Index t of the current round.")
-    round_step = property(lambda self: self.progress.round_step, doc="Inner steps taken in this round.")
-    warmup_done = property(lambda self: self.progress.warmup_done, doc="The synchronous warm-up is over.")
-    amp_skipped_steps = property(lambda self: self.progress.amp_skipped_steps, doc="Steps AMP skipped.")
-
-    @property
-    def skipped_rounds(self) -> int:
-        """Rounds whose outer update no worker was finite for (summed over fragments). Counted on the
-        device: reading it waits for the device (for logs and tests, not every step)."""
-        return int(sum(row[SKIPPED] for row in self._tally.read()))
-
-    @property
-    def last_wait_s(self) -> float:
-        """Seconds this rank was blocked waiting at the last boundary (exposed communication);
-        with fragments, the last wait of each fragment, summed: the exposed wait of a round. On a GPU
-        reading it waits for the device."""
-        return sum(part.last_wait_s for part in self.fragments)
-
-    @property
-    def last_comm_s(self) -> float:
-        """Launch-to-completion of the last all-reduce received (summed over fragments: how long
-        the link was busy with one round's bytes). On a GPU reading it waits for the device."""
-        return sum(part.last_comm_s for part in self.fragments)
-
-    @property
-    def in_warmup(self) -> bool:
-        """True during ``co2_sync_warmup_steps``, while training is ordinary data parallel."""
-        return not self.progress.warmup_done
+    # ------------------------------------------------------------ the rest of the API (and reports.py, anchor.py)
 
     @torch.no_grad()
     def average_gradients(self) -> None:
@@ -385,106 +309,6 @@ class CO2:
         if self._pending is not None:
             raise RuntimeError("CO2.adopt_model with an outer all-reduce in flight: call finalize() first")
         self._take_anchor()
-
-    def anchor_state(self) -> dict[str, Tensor]:
-        """The module's ``state_dict`` with every synchronised tensor taken from the anchor.
-
-        Values are in each tensor's own dtype and on its own device (views of the fp32 anchor where
-        both match; copies when the state is held in host memory, ``co2_state_device=cpu``):
-        read-only, valid until the next boundary. During the warm-up the live tensors are the
-        global model and are returned as they are.
-        """
-        state = self.model.state_dict()
-        if not self.progress.warmup_done:
-            return state
-        self._flush()
-        anchor = self.live.gather_flat(self._anchor) if self.layout.gathers else self._anchor
-        for segment in self.layout.segments:
-            flat = anchor[segment.offset : segment.offset + segment.numel]
-            # on the tensor's own device: host-memory state (co2_state_device=cpu) is copied there
-            value = flat.view(segment.tensor.shape).to(device=segment.tensor.device, dtype=segment.tensor.dtype)
-            if segment.dtensor is not None:  # FSDP2: the anchor's local shard, as a DTensor
-                d = segment.dtensor
-                value = DTensor.from_local(value, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
-            for name in segment.names:
-                state[name] = value
-        return state
-
-    @contextlib.contextmanager
-    def anchor_in_place(self):
-        """Within the block the live tensors hold the anchor; on exit they get their own values back.
-
-        For evaluating the shared model where parameters cannot be swapped for other tensors
-        (FSDP2 all-gathers its own shards in forward); elsewhere prefer `anchor_state` with
-        ``torch.func.functional_call``, which copies nothing. Costs one copy of this process's
-        live tensors. Issues no collective unless the worker splits a flat state between its
-        processes (``co2_worker_size > 1`` without FSDP2), which all-gathers the anchor.
-        """
-        if not self.progress.warmup_done:  # the live tensors are the global model
-            yield
-            return
-        saved = [segment.tensor.detach().clone() for segment in self.layout.segments]
-        self._flush()
-        try:
-            reshard_fsdp(self.model)  # FSDP2 must gather the shards anew, with the anchor in them
-            with torch.no_grad():
-                self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_([s.tensor for s in self.layout.segments], saved)
-            # a forward without backward leaves FSDP2's root unsharded, holding the anchor: drop it,
-            # so that training gathers the live shards again
-            reshard_fsdp(self.model)
-
-    def outer_state_nbytes(self) -> int:
-        """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
-        tensors = (self._anchor, self._momentum)
-        parts = sum(part.nbytes() for part in self.fragments)
-        return sum(t.numel() * t.element_size() for t in tensors) + parts + self._pool.nbytes()
-
-    def pop_metrics(self) -> dict[str, float]:
-        """Each per-round metric over the rounds since the last call, plus the running counters.
-
-        With fragments a round is F fragment boundaries, and a logging window need not hold whole
-        rounds (every 10 steps at tau 12 holds 10 of the 12 fragments' boundaries): each figure is
-        made from the fragments that had a boundary in the window, scaled to a whole round, so that
-        it means the same at any logging interval. Seconds: the fragments' mean waits summed and
-        scaled by F / (fragments present); norms: the root of their mean squares summed, scaled
-        alike; the clip ratio: the fragments' mean; the penalty: its mean over every parameter
-        element that received an update in the window (exactly 1 without a penalty).
-
-        The statistics are counted on the device (``tally.py``): this call waits for it once. Call it
-        at logging steps; between them the engine never waits for the device."""
-        per_part, skipped_rounds = self._metric_means(pop=True)
-        present = [m for m in per_part if m]
-        out: dict[str, float] = {}
-        if present:
-            scale = len(self.fragments) / len(present)
-            for name in set().union(*present) - set(PENALTY):
-                out[f"co2/{name}"] = _combine(name, [m[name] for m in present if name in m], scale)
-            elements = sum(m.get("penalty_elements", 0.0) for m in present)
-            if elements > 0:
-                out["co2/penalty_mean"] = sum(m.get("penalty_sum", 0.0) for m in present) / elements
-        if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
-            out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
-        out["co2/amp_skipped_steps"] = float(self.progress.amp_skipped_steps)
-        out["co2/skipped_rounds"] = float(skipped_rounds)
-        return out
-
-    def fragment_metrics(self) -> list[dict[str, float]]:
-        """Per fragment, each metric's mean over its boundaries since the last `pop_metrics` (what
-        `pop_metrics` combines into one round's figures), without starting a new window. Waits for
-        the device, as `pop_metrics` does."""
-        return self._metric_means(pop=False)[0]
-
-    def _metric_means(self, *, pop: bool) -> tuple[list[dict[str, float]], int]:
-        per_part, skipped_rounds = self._tally.metric_means(pop=pop)
-        for means, part in zip(per_part, self.fragments):
-            comm_s = part.comm_s(pop=pop)
-            if comm_s is not None:
-                means["comm_s"] = comm_s
-        return per_part, skipped_rounds
 
     # ------------------------------------------------------------------ checkpoints (core/state.py)
 
@@ -547,8 +371,9 @@ def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
     return next((p.device for p in model.parameters()), fallback)
 
 
-def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int):
-    """The number of worker processes (checked against the config) and this process's flat layout."""
+def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, chunk_numel: int, fragments: int):
+    """The number of worker processes (checked against the config) and this process's flat layout, cut
+    into the plan's ``fragments``."""
     if comm.worker_size != cfg.co2_worker_size:
         raise ValueError(
             f"co2_worker_size={cfg.co2_worker_size} but the communicator has {comm.worker_size} process(es) per worker"
@@ -559,7 +384,7 @@ def _workers_and_layout(model: nn.Module, cfg: CO2Config, comm: Communicator, ch
         worker_size=comm.worker_size,
         shard_index=comm.shard_index,
         chunk_numel=chunk_numel,
-        fragments=cfg.fragments,
+        fragments=fragments,
     )
     if layout.presharded:  # FSDP2 inside the worker, never across workers
         layout.check_sharded_over(comm.worker_ranks())
@@ -575,29 +400,3 @@ def _clip_scales(layouts: list[FlatLayout], comm: Communicator, cfg: CO2Config, 
     local = [float(part.param_local) for part in layouts]
     counts = comm.reduce_stats(torch.tensor(local, dtype=torch.float64, device=device))
     return [math.sqrt(float(c) / max(layouts[0].total_param_numel, 1)) for c in counts]
-
-
-def _combine(name: str, values: list[float], scale: float) -> float:
-    """One round's figure from the present fragments' means (``scale``: F / fragments present)."""
-    if name in MEAN:
-        return sum(values) / len(values)
-    if name in ROOT_SUM_SQUARE:
-        return math.sqrt(scale * sum(v * v for v in values))
-    return scale * sum(values)
-
-
-def _check_timeout(timeout_s: float, compute_s: float, comm_s: float) -> None:
-    """Warn once when co2_timeout_s leaves too little room: a peer that is merely one slow round
-    behind would be taken for a dead one. Measured after the first rounds, which may include
-    compilation and warm-up."""
-    needed = 2 * (compute_s + comm_s)
-    if timeout_s < needed:
-        logger.warning(
-            "CO2: co2_timeout_s=%gs is shorter than twice a round's compute (%.3gs) plus one outer "
-            "all-reduce (%.3gs): a slow round could be taken for a dead peer. Set co2_timeout_s "
-            "to at least %.3g.",
-            timeout_s,
-            compute_s,
-            comm_s,
-            needed,
-        )

@@ -2,13 +2,12 @@
 
 Three knobs interact: ``co2_overlap``, ``co2_overlap_steps`` (a window ``k``) and ``co2_fragments``
 (``F``). `Plan.resolve` turns them, with the model's size, into what actually runs, and every part
-of the engine reads the plan instead of the knobs:
+of the engine reads the plan instead of the knobs (tau and F included):
 
-- ``fragments``: F. Unset, F = tau (one fragment reaches its boundary after every inner step), or
-  the most that fit a model with fewer elements per process than that (a WARNING), or 1 where a
-  window or ``co2_overlap=False`` is set;
-- ``window_steps``: k, the inner steps from a fragment's launch to the in-round apply of its
-  average: ``co2_overlap_steps``, or tau / F with fragments; None: applied at its next boundary;
+- ``local_steps``: tau, ``co2_local_steps``;
+- ``fragments``: F, as `CO2Config.fragments` resolves an unset ``co2_fragments`` (the one place
+  that rule is written), once `fit_default_fragments` has fitted that default to the model;
+- ``window_steps``: k, as `CO2Config.window_steps` resolves it from F and ``co2_overlap_steps``;
 - ``start_rule``: ``co2_start_rule`` with overlap; ``anchor`` without (no average is in flight
   when a round starts, so there is nothing to start ahead of);
 - ``stale``: whether an average is applied after the anchor already moved once since its base

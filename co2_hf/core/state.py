@@ -37,6 +37,8 @@ ADDED_SETTINGS = {
     "co2_sparse_feedback_decay": 1.0,
     "co2_sparse_keep_unsent": False,
 }
+# The hosting settings (co2_elastic, co2_fault_tolerance: `co2_hf.config.HOSTING`) are in no state's
+# config, old or new: `CO2Config.co2_dict` leaves them out, so how a run was hosted never stops a resume.
 # load_state_dict resumes exactly; another number of workers goes through core/reshard.py
 ELSEWHERE = "; to resume on another number of workers, re-shard the state (co2_hf.core.reshard.load_resharded)"
 _FORMAT_1_NAMES = {"consecutive_skipped": "_consecutive_skipped", "have_d": "_have_d", "sent_round": "_sent_round"}

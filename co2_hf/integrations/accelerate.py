@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..allowed import refuse_elastic, refuse_torchft
 from ..checkpoints import config_file, rank_files
 from ..config import CO2Config
 from ..core import CO2
@@ -75,6 +76,8 @@ class CO2Accelerate:
                 "config=CO2Config(co2_local_steps=12, ...) (CO2Config(**settings) from a dict)"
             )
         self.config = config if config is not None else CO2Config()
+        refuse_elastic(self.config, "CO2Accelerate")  # what it does not run, refused before anything starts
+        refuse_torchft(self.config, "CO2Accelerate")
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.module = accelerator.unwrap_model(model)
         self.enabled = enabled and self.config.co2_enabled

@@ -34,7 +34,6 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,8 @@ TRAINER_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].defa
 
 @dataclass
 class CO2TrainingArguments(TrainingArguments, CO2Config):
-    """``TrainingArguments`` plus every field of `CO2Config` (declared there, once)."""
+    """``TrainingArguments`` plus every field of `CO2Config` (declared there, once: also
+    ``co2_elastic`` and ``co2_fault_tolerance``, which Accelerate and the engine read too)."""
 
     # None = not set: CO2 then bounds the default group's collectives (the loss gather at logging
     # steps, save barriers) by co2_timeout_s too, so a dead peer cannot leave a rank blocked there
@@ -61,30 +61,6 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         metadata={
             "help": "Timeout (s) of the default process group's collectives. Default: co2_timeout_s "
             f"(rounded up) with CO2, {TRAINER_DDP_TIMEOUT} without."
-        },
-    )
-
-    # a Trainer setting, not a CO2Config one: it changes what a resume may do, not the algorithm
-    co2_elastic: bool = field(
-        default=False,
-        kw_only=True,  # like CO2Config's fields: after every positional field of TrainingArguments
-        metadata={
-            "help": "Allow resume_from_checkpoint from a checkpoint saved by another number of processes or "
-            "another co2_worker_size (torchrun --nnodes MIN:MAX): the outer state is re-sharded and every "
-            "worker restarts from the anchor; not bit-identical (docs/reliability.md, 'Losing a node'). "
-            "False: refused."
-        },
-    )
-
-    # a Trainer setting too: how a worker's loss is survived, not what a round computes
-    co2_fault_tolerance: Literal["none", "torchft"] = field(
-        default="none",
-        kw_only=True,
-        metadata={
-            "help": "'torchft': each replica group (one process, its own launch) joins the torchft job that "
-            "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS name; a killed one's round is dropped by "
-            "the others, who never stop, and its replacement rejoins from a live peer (docs/reliability.md, "
-            "'Surviving failures without a restart'). Needs the ft extra. 'none': a lost worker stops every rank."
         },
     )
 

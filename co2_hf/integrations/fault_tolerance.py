@@ -37,21 +37,17 @@ from . import launch
 
 logger = logging.getLogger(__name__)
 
-FAULT_TOLERANCE = ("none", "torchft")
 SAMPLING = ("random", "sequential")  # the train_sampling_strategy values a shard can follow
 REJOINED = "<a live peer>"  # `resume_from_checkpoint` while the Trainer skips to a peer's data position
 
 
 def check_arguments(args) -> None:
-    """``--co2_fault_tolerance``'s value and what it needs, before any process group starts."""
-    value = args.co2_fault_tolerance
-    if value not in FAULT_TOLERANCE:
-        raise ValueError(f"co2_fault_tolerance={value!r}: allowed are {', '.join(map(repr, FAULT_TOLERANCE))}")
-    if value == "none":
+    """What ``--co2_fault_tolerance torchft`` needs of the Trainer's settings and of the launch, before
+    any process group starts. Its value and what it cannot be combined with among the ``co2_*``
+    settings were checked with the others (`CO2Config.validate_co2`, ``allowed.py``)."""
+    if args.co2_fault_tolerance == "none":
         return
     flag = "co2_fault_tolerance='torchft'"
-    if not args.co2_enabled:
-        raise ValueError(f"{flag} needs co2_enabled=True")
     try:
         from ..torchft import job, transport
     except ImportError as error:
@@ -75,8 +71,6 @@ def check_arguments(args) -> None:
             f"train_sampling_strategy={args.train_sampling_strategy!r} with {flag}: allowed are "
             f"{', '.join(map(repr, SAMPLING))} (each replica group reads its shard of torchft's DistributedSampler)"
         )
-    if getattr(args, "co2_elastic", False):
-        raise ValueError(f"co2_elastic=True with {flag}: allowed is False (torchft replaces a lost worker live)")
 
 
 class ReplicaOverrides:

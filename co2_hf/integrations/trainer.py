@@ -103,7 +103,7 @@ class CO2Trainer(CheckpointOverrides, ReplicaOverrides, Trainer):
         self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
         self._co2_run: str | None = None  # this run's id (publish.py, "Runs"): a resume takes its checkpoint's
         self._warned_local_gathers = False
-        torchft = self.co2_config is not None and getattr(self.args, "co2_fault_tolerance", "none") == "torchft"
+        torchft = self.co2_config is not None and self.co2_config.co2_fault_tolerance == "torchft"
         self._replica = fault_tolerance.Replica(self) if torchft else None  # this replica group, on torchft
         if self.co2_config is not None:
             refuse_data_parallel(self.args)  # also for args that are not CO2TrainingArguments

@@ -64,7 +64,7 @@ class CheckpointOverrides:
         return rank_files.save_leader(args.process_index, args.local_process_index, per_node=args.save_on_each_node)
 
     def _elastic_sources(self, directory: str) -> list[int] | None:
-        if not getattr(self.args, "co2_elastic", False):
+        if not self.co2_config.co2_elastic:
             return None
         rank, world = self.args.process_index, self.args.world_size
         return elastic.elastic_sources(directory, rank, world, self.co2_config.co2_worker_size)
