@@ -65,7 +65,7 @@ def wire_bytes_per_step(config_name: str, *, workers: int = WORKERS, tau: int = 
     """Bytes one worker sends per inner step with ``config_name`` on the micro model (module docstring)."""
     from co2_hf import CO2Config
     from co2_hf.core import CO2
-    from co2_hf.core.quant import coded_nbytes, padded_numel
+    from co2_hf.core.codecs.quant import coded_nbytes, padded_numel
     from co2_hf.core.wire import header_numel
     from co2_hf.testing import FakeCommunicator
 

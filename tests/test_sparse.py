@@ -1,4 +1,4 @@
-"""The sparse wire (co2_hf.core.sparse, ``co2_comm_dtype='sparse'``): block-local top-k with 2- and
+"""The sparse wire (co2_hf.core.codecs.sparse, ``co2_comm_dtype='sparse'``): block-local top-k with 2- and
 4-bit values; error feedback that loses nothing over rounds; the all-gather against a naive dense
 reference on 2 gloo processes, with the bytes it sent equal to the prediction; the engine with it
 (identical averages on every rank, resumed bit for bit with its residual, re-sharded onto another
@@ -15,8 +15,7 @@ from simulated import Workers
 
 from co2_hf import CO2Config
 from co2_hf.config import max_paying_workers
-from co2_hf.core.reshard import resharded_state
-from co2_hf.core.sparse import (
+from co2_hf.core.codecs.sparse import (
     SparseFeedback,
     decode,
     encode,
@@ -25,6 +24,7 @@ from co2_hf.core.sparse import (
     sparse_all_reduce_,
     sparse_padded_numel,
 )
+from co2_hf.core.reshard import resharded_state
 from co2_hf.core.wire import header_numel
 from co2_hf.testing import LocalCollectives, SimulatedNetwork, run_processes
 

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import Collectives, GroupCollectives
+from .codecs.collectives import Collectives, GroupCollectives
 from .tally import Seconds
 
 

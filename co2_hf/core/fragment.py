@@ -53,14 +53,14 @@ from torch.profiler import record_function
 
 from ..config import CO2Config
 from . import tally, update
+from .codecs.quant import QuantizedWire
+from .codecs.sparse import SparseWire
 from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
 from .live import LiveTensors, Scratch
-from .quant import QuantizedWire
 from .residency import Residency
 from .rules import make_penalty, make_start_rule
 from .schedule import Plan
-from .sparse import SparseWire
 from .state import FragmentProgress, from_dict, to_dict
 from .tally import Seconds
 from .wire import WireBuffer, WirePool

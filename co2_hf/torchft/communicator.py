@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroup
 
-from ..core.collectives import Collectives
+from ..core.codecs.collectives import Collectives
 from ..core.comm import BackgroundWork, Communicator, Pending
 from .transport import RecoveryTransport
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import MAX_SPARSE_BLOCK, SPARSE_BITS
+from ...config import MAX_SPARSE_BLOCK, SPARSE_BITS
 from .collectives import Collectives, GroupCollectives
 
 BLOCK_MULTIPLE = 4  # blocks per vector: a multiple of 4, so that 2-bit codes fill whole bytes

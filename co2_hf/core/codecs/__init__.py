@@ -1,0 +1,1 @@
+"""The coded wires of the outer all-reduce."""
