@@ -257,6 +257,21 @@ def test_re_sharding_onto_more_workers_keeps_the_mean_still_owed():
     torch.testing.assert_close(torch.cat([f["residuals"]["unsent"] for f in states[2]["fragments"]]), 0.75 * first)
 
 
+def test_re_sharding_onto_one_worker_holds_no_residual():
+    """One worker codes nothing (no residual to hold what was owed): the state loads and trains on."""
+    config = CO2Config(**SPARSE)
+    old = Workers(config, workers=2)
+    old.train(0, 9)
+    saved = [state["co2"] for state in old.save()]
+    new = Workers(config, workers=1)
+    (engine,) = new.engines
+    state = resharded_state([saved[0]], engine)
+    assert all(f["residuals"] is None for f in state["fragments"])
+    engine.load_state_dict(state)
+    new.train(9, 15)
+    assert all(torch.isfinite(v).all() for v in new.finish()[0].values())
+
+
 def test_a_non_finite_worker_sends_zeros_with_weight_0_and_keeps_its_residual(caplog):
     run = Workers(CO2Config(co2_start_rule="eager", **SPARSE))
     run.train(0, 10)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import time
 from typing import Any
 
@@ -53,8 +52,7 @@ from torch.profiler import record_function
 
 from ..config import CO2Config
 from . import tally, update
-from .codecs.quant import QuantizedWire
-from .codecs.sparse import SparseWire
+from .codecs import Codec, make_codec
 from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
 from .live import LiveTensors, Scratch
@@ -64,9 +62,6 @@ from .schedule import Plan
 from .state import FragmentProgress, from_dict, to_dict
 from .tally import Seconds
 from .wire import WireBuffer, WirePool
-
-# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
-logger = logging.getLogger("co2_hf.core.co2")
 
 
 class Fragment:
@@ -107,11 +102,13 @@ class Fragment:
         self._pool = pool
         self._keeps_buffer = plan.fragments == 1
         self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
-        self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory and not stage)
-        self._holds_unsent = isinstance(self.codec, SparseWire) and config.co2_sparse_keep_unsent
+        codec_pinned = pin_memory and not stage
+        self.codec: Codec | None = make_codec(config, layout, num_workers, index, self.device, codec_pinned)
+        # the codec's unsent progress that this worker keeps in its start (None: it keeps nothing of it)
+        self._kept = None if self.codec is None else self.codec.kept_progress()
         host = dict(dtype=torch.float32, device=anchor.device, pin_memory=pin_memory)  # where the state lives
         self.start = make_start_rule(
-            plan, config, self._momentum, layout.param_local, holds_unsent=self._holds_unsent, **host
+            plan, config, self._momentum, layout.param_local, holds_unsent=self._kept is not None, **host
         )
         # host-memory state worked on by the GPU: the state comes to the device for its events only
         self._residency = Residency(self._state(), self.device, copy_stream) if stage else None
@@ -340,7 +337,7 @@ class Fragment:
         self._receive()  # D_{t-1}: none at round 0
         self._direction()  # its base a_{t-1} is one anchor move old: stale (the plan's penalty)
         finite = self._exchange()  # applies D_{t-1} while writing d_t
-        self._hold_unsent()  # before the launch: the coded all-reduce changes the residual off-thread
+        self._hold_kept()  # before the launch: the coded all-reduce changes the residual off-thread
         self._launch(finite)
         self._reset()
 
@@ -350,7 +347,7 @@ class Fragment:
         self._receive()  # D_t, right away
         self._direction()  # fresh: the plan has no penalty without overlap
         self._apply()
-        self._hold_unsent()  # what d_t left unsent, now coded
+        self._hold_kept()  # what d_t left unsent, now coded
         self._reset()
         self._release_if_idle()
 
@@ -516,24 +513,24 @@ class Fragment:
             return  # the round's average was dropped: nothing moved
         self.live.shift(self._anchor_move, buffers=self._takes)
         self.start.clear_where_(self._applies)
-        self._hold_unsent(weight=self._applies)  # the all-reduce just received has coded the residual
+        self._hold_kept(weight=self._applies)  # the all-reduce just received has coded the residual
         self._anchor_news = False
 
     # ------------------------------------------------------------------ helpers of the phases
 
-    def _hold_unsent(self, weight: Tensor | None = None) -> None:
-        """``o <- o + r``: with ``co2_sparse_keep_unsent`` the worker's next start keeps its own progress
-        that the sparse wire has not sent yet (its error-feedback residual ``r``), instead of
-        dropping it from its model until top-k picks it. The anchor does not change; ``d`` is
-        measured from this start, so what the worker owes stays ``d + r``. Read only while no coded
-        all-reduce of this fragment is in flight (the residual is its to write). ``weight`` (0-d,
-        0 or 1) holds it only where an update was applied."""
-        if self._holds_unsent:
-            unsent = self.codec.unsent[: self.start.offset.numel()]
+    def _hold_kept(self, weight: Tensor | None = None) -> None:
+        """``o <- o + r``: the worker's next start keeps its own progress that the codec has not sent
+        yet (``r``, `Codec.kept_progress`; ``co2_sparse_keep_unsent``), instead of dropping it from its
+        model until it is sent. The anchor does not change; ``d`` is measured from this start, so
+        what the worker owes stays ``d + r``. Read only while no coded all-reduce of this fragment is
+        in flight (``r`` is its to write). ``weight`` (0-d, 0 or 1) holds it only where an update was
+        applied. Nothing without such a codec."""
+        if self._kept is not None:
+            kept = self._kept[: self.start.offset.numel()]
             if weight is None:
-                self.start.offset.add_(unsent)
+                self.start.offset.add_(kept)
             else:
-                self.start.offset.addcmul_(unsent, weight)
+                self.start.offset.addcmul_(kept, weight)
 
     def _quarantine_where(self, finite: Tensor) -> None:
         """On the device: where this worker's outer gradient is not finite, it sends zeros (weight 0
@@ -582,8 +579,8 @@ class Fragment:
         move = self.live.scratch(hi - lo, "move")
         torch.mul(self._step_v[lo:mid], self._neg_lr, out=move[: mid - lo])
         self.start.add_offset_(move[: mid - lo], lo, mid, self._applies)
-        if self._holds_unsent:
-            move[: mid - lo].addcmul_(self.codec.unsent[lo:mid], -self._applies)  # ... less the unsent progress kept
+        if self._kept is not None:
+            move[: mid - lo].addcmul_(self._kept[lo:mid], -self._applies)  # ... less the unsent progress kept
         move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
         return move
 
@@ -591,45 +588,4 @@ class Fragment:
         return RuntimeError(
             f"CO2's outer all-reduce of round {self.progress.sent_round} failed or did not finish within "
             f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
-        )
-
-
-def _codec(
-    config: CO2Config, layout: FlatLayout, num_workers: int, index: int, device: torch.device, pin_memory: bool
-) -> QuantizedWire | SparseWire | None:
-    """The fragment's codec with a coded wire (``co2_comm_dtype`` int8/int4: `QuantizedWire`; sparse:
-    `SparseWire`, whose float buffers travel exactly) over more than one worker; None otherwise (one
-    worker sends nothing, so nothing is coded)."""
-    if num_workers == 1 or not (config.code_bits or config.sparse_wire):
-        return None
-    numel, how = layout.shard_numel, dict(stochastic=config.stochastic_rounding, seed=index, device=device)
-    if config.sparse_wire:
-        _say_sparse_density(config.co2_sparse_density, config.sparse_keep, config.co2_quant_block)
-        return SparseWire(
-            numel,
-            block=config.co2_quant_block,
-            keep=config.sparse_keep,
-            bits=config.co2_sparse_bits,
-            decay=config.co2_sparse_feedback_decay,
-            dense=numel - layout.param_local,
-            pin_memory=pin_memory,
-            **how,
-        )
-    return QuantizedWire(
-        numel, num_workers, bits=config.code_bits, block=config.co2_quant_block, pin_memory=pin_memory, **how
-    )
-
-
-@functools.cache
-def _say_sparse_density(density: float, keep: int, block: int) -> None:
-    """co2_sparse_density is rounded to whole values per block: say so once where that changes it."""
-    if keep != density * block:
-        logger.warning(
-            "CO2: co2_sparse_density=%s keeps round(%s x co2_quant_block=%d) = %d values per block: "
-            "the wire's density is %.6g",
-            density,
-            density,
-            block,
-            keep,
-            keep / block,
         )

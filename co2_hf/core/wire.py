@@ -7,7 +7,7 @@
 `WireBuffer` makes these regions as views in one place; nothing else indexes the header. The fp32
 buffer is the engine's working memory (it holds ``D``, then ``P * D``, then the Nesterov step,
 then the next ``d``); with ``co2_comm_dtype='bfloat16'`` a bf16 copy is what travels; with int8 or
-int4 the payload travels as codes (``quant.py``) and the header as it is, in fp32.
+int4 or sparse the payload travels as codes (``codecs/``) and the header as it is, in fp32.
 """
 
 from __future__ import annotations

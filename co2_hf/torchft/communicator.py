@@ -178,7 +178,7 @@ class GroupNotFormed(RuntimeError):
 
 
 class QuorumCollectives:
-    """The coded wires' two collectives (``core/collectives.py``) over the group of the Manager's
+    """The coded wires' two collectives (``core/codecs/collectives.py``) over the group of the Manager's
     current quorum: its participants, this replica's rank among them. Each waits ``timeout`` at
     most and raises on failure (the caller reports it to the Manager)."""
 
