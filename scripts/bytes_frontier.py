@@ -11,7 +11,7 @@ on a log axis) and docs/bytes_frontier.md (the table). Losses are the mean over 
 Bytes are what one worker sends per inner step over ring collectives, computed from the engine's own
 fragments for the micro model (`wire_bytes_per_step`): data parallel all-reduces the fp32 gradients
 every step (``2 (G-1)/G x 4 P``); the outer methods one fp32, bf16 or coded outer gradient per tau
-steps (the int8/int4 codes and the sparse payloads as ``quant.py`` and ``sparse.py`` send them, with
+steps (the int8/int4 codes and the sparse payloads as ``core/codecs/`` sends them, with
 the header; the sparse all-gather sends its payload to ``G - 1`` peers). tests/test_sparse.py checks
 the sparse prediction against the bytes counted on the wire.
 """
@@ -65,7 +65,6 @@ def wire_bytes_per_step(config_name: str, *, workers: int = WORKERS, tau: int = 
     """Bytes one worker sends per inner step with ``config_name`` on the micro model (module docstring)."""
     from co2_hf import CO2Config
     from co2_hf.core import CO2
-    from co2_hf.core.quant import coded_nbytes, padded_numel
     from co2_hf.core.wire import header_numel
     from co2_hf.testing import FakeCommunicator
 
@@ -81,11 +80,8 @@ def wire_bytes_per_step(config_name: str, *, workers: int = WORKERS, tau: int = 
         n, codec = fragment.layout.shard_numel, fragment.codec
         if codec is None:  # fp32 or bf16: the buffer, header included, all-reduced
             per_round += ring * (2 if config.bfloat16_wire else 4) * (n + h)
-        elif config.sparse_wire:
+        else:  # int8/int4: all-to-all and all-gather of the codes, the header; sparse: an all-gather
             per_round += codec.sent_nbytes(workers, h)
-        else:  # all-to-all of the codes, all-gather of the summed slices' codes with the header
-            coded = coded_nbytes(padded_numel(n, world=workers, block=codec.block), bits=codec.bits, block=codec.block)
-            per_round += ring * coded + (workers - 1) * 4 * h
     return per_round / tau
 
 

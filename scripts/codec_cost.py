@@ -10,7 +10,7 @@ int8/int4 quantize with error feedback, decode and sum 2 slices, re-quantize the
 its residual, decode the gathered codes; sparse top-k with its residual, decode and scatter-add 2
 rows; and what keeping the unsent progress (``co2_sparse_keep_unsent``) adds on the compute thread.
 ``old`` is the dense codec as it was before the cost cut (kept here, verbatim in what it
-computes), ``new`` is ``co2_hf.core.quant``; the two must give identical bits, checked every repeat.
+computes), ``new`` is ``co2_hf.core.codecs.quant``; the two must give identical bits, checked every repeat.
 Repeats alternate old and new so that a busy machine slows both alike; the median and the fastest
 round are reported (on a shared machine the fastest is closest to the codec's own cost).
 """
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
-from co2_hf.core import quant, sparse  # noqa: E402
+from co2_hf.core.codecs import quant, sparse  # noqa: E402
 
 
 class Mirror:

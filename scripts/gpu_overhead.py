@@ -105,7 +105,7 @@ def run(name: str, args) -> dict:
 
 
 class _OneRank:
-    """`co2_hf.core.collectives.Collectives` of a world of one: every collective is a copy."""
+    """`co2_hf.core.codecs.collectives.Collectives` of a world of one: every collective is a copy."""
 
     world_size, rank = 1, 0
 
@@ -118,7 +118,7 @@ class _OneRank:
 def codec_cost(name: str, args, numel: int) -> dict:
     """Seconds per round that the quantized all-reduce of ``numel`` values in tau fragments computes."""
     from co2_hf.config import CODE_BITS
-    from co2_hf.core.quant import ErrorFeedback, padded_numel, quantized_all_reduce_
+    from co2_hf.core.codecs.quant import ErrorFeedback, padded_numel, quantized_all_reduce_
     from co2_hf.core.wire import header_numel
 
     part = -(-numel // args.tau)

@@ -108,7 +108,7 @@ CONFIGS.update(
 )
 CONFIGS = {name: None if knobs is None else {**SPEC_DEFAULTS, **knobs} for name, knobs in CONFIGS.items()}
 CONFIGS["co2"] = {}
-# CO2Config() with another wire: bf16, and block-quantized codes with error feedback (core/quant.py),
+# CO2Config() with another wire: bf16, and block-quantized codes with error feedback (core/codecs/quant.py),
 # rounded to the nearest code or stochastically ("_sr"), in blocks of 128 values or of b{block}
 CONFIGS.update(
     {
@@ -121,7 +121,7 @@ CONFIGS.update(
         "co2_int4_b32": dict(co2_comm_dtype="int4", co2_quant_block=32),
     }
 )
-# CO2Config() with the sparse wire (core/sparse.py) in blocks of 256, co2_sparse_k{kept per block}_b{bits}:
+# CO2Config() with the sparse wire (core/codecs/sparse.py) in blocks of 256, co2_sparse_k{kept per block}_b{bits}:
 # "_keep" is co2_sparse_keep_unsent=True (each worker's model keeps its unsent progress); the names
 # without it are the plain error feedback (False, the default).
 # Suffixes: "_m0" without outer momentum (SparseLoCo's choice), "_anchor" with every round starting at

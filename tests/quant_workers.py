@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from co2_hf.core.quant import ErrorFeedback, dequantize, quantized_all_reduce_
+from co2_hf.core.codecs.quant import ErrorFeedback, dequantize, quantized_all_reduce_
 
 BLOCK = 8
 
@@ -64,7 +64,7 @@ def engine_over_the_wire(rank: int, world: int, dtypes: tuple[str, ...], steps: 
 
     from workers import train_engine
 
-    from co2_hf.core import quant
+    from co2_hf.core.codecs import quant
 
     threads: list[str] = []
     original = quant.GroupCollectives.all_to_all_
@@ -97,8 +97,8 @@ def hierarchical_over_the_wire(rank: int, world: int, steps: int) -> dict:
 def sparse_rounds(rank: int, world: int, bits: int, rounds: int) -> dict:
     """``rounds`` sparse all-reduces with error feedback over gloo, the bytes each all-gather sent,
     and the same sums computed naively on every rank from every rank's fp32 vectors."""
-    from co2_hf.core.collectives import GroupCollectives
-    from co2_hf.core.sparse import SparseFeedback, decode, sparse_all_reduce_, sparse_padded_numel
+    from co2_hf.core.codecs.collectives import GroupCollectives
+    from co2_hf.core.codecs.sparse import SparseFeedback, decode, sparse_all_reduce_, sparse_padded_numel
 
     numel, block, keep = 1000, 64, 3  # not whole blocks: coded zero-padded
     padded = sparse_padded_numel(numel, block=block)
@@ -132,7 +132,7 @@ def sparse_engine_over_the_wire(rank: int, world: int, steps: int) -> dict:
     bytes of every all-gather input this rank sent."""
     from workers import train_engine
 
-    from co2_hf.core import sparse
+    from co2_hf.core.codecs import sparse
 
     sizes: list[int] = []
     original = sparse.GroupCollectives.all_gather_

@@ -1,4 +1,4 @@
-"""Block quantization for the wire (co2_hf.core.quant, ``co2_comm_dtype`` int8/int4): round-trip
+"""Block quantization for the wire (co2_hf.core.codecs.quant, ``co2_comm_dtype`` int8/int4): round-trip
 error bounds, unbiased stochastic rounding, error feedback that loses nothing over rounds, the
 quantized all-reduce against a naive reference of the same quantizer on 2 and 3 gloo processes,
 and the engine with a coded wire: over gloo (2 and 3 workers, workers of 2 processes), off the main
@@ -15,7 +15,14 @@ from simulated import Workers
 from workers import reference_hierarchical
 
 from co2_hf import CO2Config
-from co2_hf.core.quant import ErrorFeedback, coded_nbytes, dequantize, padded_numel, quantize, quantized_all_reduce_
+from co2_hf.core.codecs.quant import (
+    ErrorFeedback,
+    coded_nbytes,
+    dequantize,
+    padded_numel,
+    quantize,
+    quantized_all_reduce_,
+)
 from co2_hf.testing import FakeCommunicator, LocalCollectives, run_processes
 
 pytestmark = pytest.mark.timeout(120)
@@ -304,7 +311,7 @@ def test_a_coded_wire_loses_nothing_when_its_group_changes_between_rounds(bits):
     """A torchft quorum changes who takes part: each worker sums another slice, of another length.
     Over rounds, what every worker got equals what the participants sent, less what the residuals
     of all workers still hold (each owned residual at its slice): nothing is lost in the regroup."""
-    from co2_hf.core.quant import QuantizedWire
+    from co2_hf.core.codecs.quant import QuantizedWire
 
     numel, block = 200, 8
     wires = [QuantizedWire(numel, 3, bits=bits, block=block, stochastic=False, seed=0, device="cpu") for _ in range(3)]
@@ -329,7 +336,7 @@ def test_a_coded_wire_loses_nothing_when_its_group_changes_between_rounds(bits):
 
 def test_residuals_saved_over_a_smaller_group_load_and_regroup_on_the_next_all_reduce():
     """A torchft replica's checkpoint may hold residuals coded over a quorum of 2 of its 3 workers."""
-    from co2_hf.core.quant import QuantizedWire
+    from co2_hf.core.codecs.quant import QuantizedWire
 
     def wire():
         return QuantizedWire(200, 3, bits=8, block=8, stochastic=False, seed=0, device="cpu")

@@ -1,4 +1,4 @@
-"""The sparse wire (co2_hf.core.sparse, ``co2_comm_dtype='sparse'``): block-local top-k with 2- and
+"""The sparse wire (co2_hf.core.codecs.sparse, ``co2_comm_dtype='sparse'``): block-local top-k with 2- and
 4-bit values; error feedback that loses nothing over rounds; the all-gather against a naive dense
 reference on 2 gloo processes, with the bytes it sent equal to the prediction; the engine with it
 (identical averages on every rank, resumed bit for bit with its residual, re-sharded onto another
@@ -15,8 +15,7 @@ from simulated import Workers
 
 from co2_hf import CO2Config
 from co2_hf.config import max_paying_workers
-from co2_hf.core.reshard import resharded_state
-from co2_hf.core.sparse import (
+from co2_hf.core.codecs.sparse import (
     SparseFeedback,
     decode,
     encode,
@@ -25,6 +24,7 @@ from co2_hf.core.sparse import (
     sparse_all_reduce_,
     sparse_padded_numel,
 )
+from co2_hf.core.reshard import resharded_state
 from co2_hf.core.wire import header_numel
 from co2_hf.testing import LocalCollectives, SimulatedNetwork, run_processes
 
@@ -255,6 +255,21 @@ def test_re_sharding_onto_more_workers_keeps_the_mean_still_owed():
     # worker 2 takes old worker 0's residual, as worker 0 does: each at weight 3 / (2 x 2)
     first = torch.cat([f["residuals"]["unsent"] for f in saved[0]["fragments"]])
     torch.testing.assert_close(torch.cat([f["residuals"]["unsent"] for f in states[2]["fragments"]]), 0.75 * first)
+
+
+def test_re_sharding_onto_one_worker_holds_no_residual():
+    """One worker codes nothing (no residual to hold what was owed): the state loads and trains on."""
+    config = CO2Config(**SPARSE)
+    old = Workers(config, workers=2)
+    old.train(0, 9)
+    saved = [state["co2"] for state in old.save()]
+    new = Workers(config, workers=1)
+    (engine,) = new.engines
+    state = resharded_state([saved[0]], engine)
+    assert all(f["residuals"] is None for f in state["fragments"])
+    engine.load_state_dict(state)
+    new.train(9, 15)
+    assert all(torch.isfinite(v).all() for v in new.finish()[0].values())
 
 
 def test_a_non_finite_worker_sends_zeros_with_weight_0_and_keeps_its_residual(caplog):

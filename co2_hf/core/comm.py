@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import Collectives, GroupCollectives
+from .codecs.collectives import Collectives, GroupCollectives
 from .tally import Seconds
 from .waits import BackgroundWork, block_current_stream, bounded_wait, record_event
 

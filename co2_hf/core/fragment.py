@@ -20,16 +20,20 @@ is the whole contract between them; CO2 never reaches inside:
 
 The fragment owns its slice of the outer state: views of the engine's anchor and momentum, the
 start rule and the penalty (``rules.py``), its counters (`FragmentProgress`, and a row of the
-engine's `Tally`), its codec, and a communication buffer (`WireBuffer`) while it needs one: from its
-boundary until its average is applied, taken from the engine's `WirePool`, so that streaming
-fragments share one buffer. Each phase (a private method) does one thing, chunk by chunk:
+engine's `Tally`), its codec (``codecs/``: None unless the wire is coded), and its `WireLink`
+(``wire.py``): the all-reduce in flight, launched plain or through the codec, its bounded wait and
+times, and a communication buffer (`WireBuffer`) while the fragment needs one: from its boundary
+until its average is applied, taken from the engine's `WirePool`, so that streaming fragments
+share one buffer. Each phase (a private method) does one thing, chunk by chunk:
 
-- ``_receive`` / ``_drain``: wait for the all-reduce in flight, tally its header, ``D`` = the mean;
+- ``_receive`` / ``_complete``: wait for the all-reduce in flight, tally its header, ``D`` = the mean;
 - ``_direction``: ``P``, ``m <- beta*m + P*D``, clip ``m``, the step ``v`` (when a ``D`` came);
 - ``_exchange``: ``d = start - x``; ``a <- a - alpha*v`` (when a ``D`` came); buffer <- ``d``;
 - ``_launch``: zeros for a non-finite worker, header, then the all-reduce of this round's ``d``;
 - ``_apply``: ``a <- a - alpha*v`` alone;
-- ``_reset``: ``x <- a - o``; ``_shift``: ``x <- x + (a_new - start)``.
+- ``_reset``: ``x <- a - o``; ``_shift``: ``x <- x + (a_new - start)``;
+- ``_hold_kept``: ``o <- o + r``, where the codec keeps the worker's unsent progress ``r`` in its
+  start (``co2_sparse_keep_unsent``; `Codec.kept_progress`).
 
 **Nothing here reads a device value on the host** (``docs/gpus.md``): whether this worker's ``d`` was
 finite, whether any worker was (the header's weight), the clip ratio and every statistic are 0-d
@@ -42,9 +46,6 @@ optimizer, stopping after ``co2_max_skipped_rounds``) from the engine's `Tally` 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import time
 from typing import Any
 
 import torch
@@ -53,20 +54,15 @@ from torch.profiler import record_function
 
 from ..config import CO2Config
 from . import tally, update
+from .codecs import Codec, make_codec
 from .comm import Communicator, Pending
 from .layout import Chunk, FlatLayout
 from .live import LiveTensors, Scratch
-from .quant import QuantizedWire
 from .residency import Residency
 from .rules import make_penalty, make_start_rule
 from .schedule import Plan
-from .sparse import SparseWire
 from .state import FragmentProgress, from_dict, to_dict
-from .tally import Seconds
-from .wire import WireBuffer, WirePool
-
-# The engine warns under one logger name, whichever module of core/ notices: users filter on it.
-logger = logging.getLogger("co2_hf.core.co2")
+from .wire import WireBuffer, WireLink, WirePool
 
 
 class Fragment:
@@ -98,20 +94,20 @@ class Fragment:
         self._comm = comm  # fixed here: the fragment's all-reduces go through it and nothing else
         self.num_workers = num_workers
         self.live = LiveTensors(layout, comm, scratch)
-        n = layout.shard_numel
         zeros = dict(dtype=torch.float32, device=self.device)
         self._anchor, self._momentum = anchor, momentum  # this fragment's views of the engine's
+        codec_pinned = pin_memory and not stage
+        self.codec: Codec | None = make_codec(config, layout, num_workers, index, self.device, codec_pinned)
         # One fragment keeps its buffer all along (it is in flight across whole rounds, and its
         # checkpoint always holds it); streaming fragments hold one only from their boundary until
         # their average is applied.
-        self._pool = pool
         self._keeps_buffer = plan.fragments == 1
-        self._wire: WireBuffer | None = pool.acquire(n) if self._keeps_buffer else None
-        self.codec = _codec(config, layout, num_workers, index, self.device, pin_memory and not stage)
-        self._holds_unsent = isinstance(self.codec, SparseWire) and config.co2_sparse_keep_unsent
+        self._link = WireLink(comm, self.codec, pool, layout.shard_numel, keep=self._keeps_buffer, config=config)
+        # the codec's unsent progress that this worker keeps in its start (None: it keeps nothing of it)
+        self._kept = None if self.codec is None else self.codec.kept_progress()
         host = dict(dtype=torch.float32, device=anchor.device, pin_memory=pin_memory)  # where the state lives
         self.start = make_start_rule(
-            plan, config, self._momentum, layout.param_local, holds_unsent=self._holds_unsent, **host
+            plan, config, self._momentum, layout.param_local, holds_unsent=self._kept is not None, **host
         )
         # host-memory state worked on by the GPU: the state comes to the device for its events only
         self._residency = Residency(self._state(), self.device, copy_stream) if stage else None
@@ -121,14 +117,10 @@ class Fragment:
         self.clip_threshold = None if config.co2_clip_threshold is None else config.co2_clip_threshold * clip_scale
         self.progress = FragmentProgress()  # the skip counters live in ``counts`` while training
         self._counts = counts  # this fragment's row of the engine's Tally (tally.py)
-        self._pending: Pending | None = None
         # a received D was taken (its step counts as applied from then on): the live tensors take
         # the anchor's news at the next reset or shift (skipped on the device if no worker was finite)
         self._anchor_news = False
         self._decided(weight=torch.ones((), **zeros), finite=torch.ones((), dtype=torch.bool, device=self.device))
-        self._last_wait, self._last_comm = Seconds(0.0), Seconds(0.0)
-        self._known_wait_s = 0.0  # the newest exposed wait the host knows without waiting: the header's
-        self._comm_times: list[Seconds] = []  # launch to completion of each all-reduce since the last pop
         self.boundary_step: int | None = None  # the engine's inner step at this fragment's last boundary
 
     def _decided(self, *, weight: Tensor | None = None, finite: Tensor | None = None) -> None:
@@ -157,7 +149,7 @@ class Fragment:
     def apply_in_round(self) -> None:
         """A window or fragments: ``k`` steps after its launch, apply this fragment's average. Its base
         is still the anchor, so nothing is stale (P = 1). Nothing to do before its first round ends."""
-        if self._pending is not None or self.progress.have_d:
+        if self.in_flight or self.progress.have_d:
             with record_function("co2/apply_in_round"), self._working(keep=False):
                 self._receive()
                 self._direction()
@@ -188,8 +180,7 @@ class Fragment:
     def drain(self) -> None:
         """Complete the all-reduce in flight, if any, outside a boundary: the wait is not exposed
         communication of a round (recorded as 0)."""
-        if self._complete() is not None:
-            self._last_wait = Seconds(0.0)
+        self._complete(exposed=False)
 
     def restart(self) -> None:
         """``x <- a - o``, buffers included: this round starts again from where it started (this
@@ -218,41 +209,38 @@ class Fragment:
     @property
     def pending(self) -> Pending | None:
         """The all-reduce in flight, if any."""
-        return self._pending
+        return self._link.pending
 
     @property
     def in_flight(self) -> bool:
-        return self._pending is not None
+        return self._link.pending is not None
 
     @property
     def wire(self) -> WireBuffer | None:
         """The communication buffer this fragment holds now (None: it needs none until its boundary)."""
-        return self._wire
+        return self._link.buffer
 
     @property
     def last_wait_s(self) -> float:
         """Seconds this rank waited at this fragment's last boundary (exposed communication). On a
         GPU reading it waits for the device: for scripts, not for the training loop."""
-        return self._last_wait.get()
+        return self._link.last_wait.get()
 
     @property
     def last_comm_s(self) -> float:
         """Launch-to-completion of the last all-reduce received (this rank); on a GPU reading it waits
         for the device, as `last_wait_s` does."""
-        return self._last_comm.get()
+        return self._link.last_comm.get()
 
     def last_comm_known(self) -> float | None:
         """`last_comm_s` if the host knows it without waiting for the device, else None."""
-        return self._last_comm.get() if self._last_comm.ready() else None
+        return self._link.last_comm.get() if self._link.last_comm.ready() else None
 
     def comm_s(self, *, pop: bool) -> float | None:
         """The mean launch-to-completion time of the all-reduces received since the last pop (None:
         none was); ``pop`` starts the next window. On a GPU this waits for their CUDA events: call
         it at logging steps."""
-        times = self._comm_times
-        if pop:
-            self._comm_times = []
-        return sum(t.get() for t in times) / len(times) if times else None
+        return self._link.comm_s(pop=pop)
 
     def counters(self) -> dict[str, Any]:
         """`FragmentProgress` as a checkpoint holds it: the skip counters read from the device (a wait,
@@ -274,7 +262,7 @@ class Fragment:
         counters = self.counters()
         saved = self._keeps_buffer or counters["have_d"]
         return {
-            "buffer": self._wire.fp32 if saved else None,
+            "buffer": self.wire.fp32 if saved else None,
             "own_outer_grad": self.start.offset,  # None under the anchor start rule
             "counters": counters,
             "residuals": None if self.codec is None else self.codec.state(),  # int8/int4/sparse wires
@@ -289,15 +277,15 @@ class Fragment:
         self._counts[tally.CONSECUTIVE_SKIPPED].fill_(float(counters["consecutive_skipped"]))
         self._decided(weight=torch.ones((), device=self.device))  # a saved D is a mean to apply
         if self._keeps_buffer or self.progress.have_d:
-            self._hold().fp32.copy_(kept["buffer"])
+            self._link.hold().fp32.copy_(kept["buffer"])
         self._release_if_idle()
         self.start.load_(kept["own_outer_grad"])
         if self.codec is not None:
             self.codec.load_(kept["residuals"])
 
     def nbytes(self) -> int:
-        """Persistent bytes of its own: the start rule's offset and the quantizer's residuals (the
-        buffer belongs to the pool)."""
+        """Persistent bytes of its own: the start rule's offset and the codec's residuals (the buffer
+        belongs to the pool)."""
         return self.start.nbytes() + (0 if self.codec is None else self.codec.nbytes())
 
     # ------------------------------------------------------------------ where the state is
@@ -340,7 +328,7 @@ class Fragment:
         self._receive()  # D_{t-1}: none at round 0
         self._direction()  # its base a_{t-1} is one anchor move old: stale (the plan's penalty)
         finite = self._exchange()  # applies D_{t-1} while writing d_t
-        self._hold_unsent()  # before the launch: the coded all-reduce changes the residual off-thread
+        self._hold_kept()  # before the launch: the coded all-reduce changes the residual off-thread
         self._launch(finite)
         self._reset()
 
@@ -350,56 +338,36 @@ class Fragment:
         self._receive()  # D_t, right away
         self._direction()  # fresh: the plan has no penalty without overlap
         self._apply()
-        self._hold_unsent()  # what d_t left unsent, now coded
+        self._hold_kept()  # what d_t left unsent, now coded
         self._reset()
         self._release_if_idle()
 
-    def _hold(self) -> WireBuffer:
-        """The buffer, taken from the pool if this fragment holds none."""
-        if self._wire is None:
-            self._wire = self._pool.acquire(self.layout.shard_numel)
-        return self._wire
-
     def _release_if_idle(self) -> None:
         """Streaming fragments give their buffer back once nothing is in flight or waiting in it."""
-        idle = self._pending is None and not self.progress.have_d
-        if idle and not self._keeps_buffer and self._wire is not None:
-            self._pool.release(self._wire)
-            self._wire = None
+        if not self.in_flight and not self.progress.have_d:
+            self._link.release()
 
     # ------------------------------------------------------------------ the phases
 
     def _receive(self) -> None:
         """Wait for the all-reduce in flight, if any; the wait is this boundary's exposed time."""
-        waited = self._complete()
-        if waited is not None:
-            self._last_wait = waited
+        self._complete(exposed=True)
 
-    def _complete(self) -> Seconds | None:
-        """Wait for the all-reduce in flight and tally it; the time waited (None: none in flight)."""
-        pending, self._pending = self._pending, None
+    def _complete(self, *, exposed: bool) -> None:
+        """Wait for the all-reduce in flight, if any (`WireLink.complete`), and tally it."""
+        pending = self._link.complete(self.progress.sent_round, exposed=exposed)
         if pending is None:
-            return None
-        start = time.perf_counter()
-        with record_function("co2/wait"):
-            try:
-                self._comm.wait(pending, self.config.co2_timeout_s)
-            except RuntimeError as error:
-                raise self._peer_failure(error) from error
-        waited = pending.wait_time(since=start)  # CUDA: the compute stream's stall, read later (comm.py)
-        self._last_comm = pending.comm_time()
-        self._comm_times.append(self._last_comm)
+            return
         # a fault-tolerant transport may drop the round (a participant died with it in flight):
         # then nothing is applied and the anchor and the momentum stay as they were (co2_hf/torchft/)
         self.progress.have_d = self._comm.commit(pending)
         if self.progress.have_d:
             self._read_mean(pending.senders)
-        return waited
 
     def _read_mean(self, senders: int | None) -> None:
         """Tally the header (``senders``: how many workers took part; None: all of them) and turn the
         sum into a mean over the finite workers. No worker finite: a D of weight 0, skipped."""
-        weight, out_of_step, max_wait = self._wire.unpack(self.progress.sent_round, senders=senders)
+        weight, out_of_step, max_wait = self.wire.unpack(self.progress.sent_round, senders=senders)
         tally.record_receipt_(
             self._counts,
             weight=weight,
@@ -408,14 +376,14 @@ class Fragment:
             round_index=self.progress.sent_round,
         )
         self._decided(weight=weight)
-        self._wire.payload.div_(weight.clamp(min=1.0))  # all zeros when no worker was finite
+        self.wire.payload.div_(weight.clamp(min=1.0))  # all zeros when no worker was finite
 
     def _direction(self) -> None:
         """Turn the received D (buffer) into the step v: the penalty, momentum, clip, Nesterov."""
         if not self.progress.have_d:
             return
         cfg, n = self.config, self.layout.param_local
-        d, m = self._wire.payload[:n], self._momentum[:n]
+        d, m = self.wire.payload[:n], self._momentum[:n]
         sums = self._comm.reduce_stats(self.penalty.partials(d))
         penalty_sum = self.penalty.scale_(d, m, sums[:-1])
         beta = torch.where(self._takes, cfg.co2_outer_momentum, 1.0)  # 1 for a skipped D (d = 0): m stays
@@ -438,7 +406,7 @@ class Fragment:
         ``v`` is read before its chunk of the buffer is overwritten (Nesterov: d is made in scratch
         first; else straight in the buffer). Float buffers travel as absolute values. Returns whether
         d is finite on every process of this worker, as a 0-d bool tensor on the device."""
-        payload = self._hold().payload
+        payload = self._link.hold().payload
         v = self._take_step()
         in_scratch = v is payload
         sums = []
@@ -474,28 +442,10 @@ class Fragment:
 
     def _launch(self, finite: Tensor) -> None:
         """A non-finite worker sends zeros with weight 0 and restarts (on the device); write the header,
-        start the all-reduce of the buffer."""
-        p = self.progress
+        start the all-reduce of the buffer (plain, or coded: `WireLink.launch`)."""
         self._quarantine_where(finite)
-        tensor = self._wire.pack_header(
-            finite=finite, round_index=p.round, wait_s=self._header_wait_s(), worker_index=self._comm.worker_index
-        )
-        p.sent_round = p.round
-        with record_function("co2/launch"):
-            try:
-                if self.codec is None:
-                    self._pending = self._comm.launch(tensor)
-                else:  # a non-finite worker's zeros leave its own residual for a later round
-                    coded = functools.partial(
-                        self.codec.all_reduce_,
-                        self._wire.payload,
-                        self._wire.header,
-                        feedback=finite,
-                        round_index=p.round,
-                    )
-                    self._pending = self._comm.launch_coded(tensor, coded)
-            except RuntimeError as error:  # a transport may already know that a peer is gone
-                raise self._peer_failure(error) from error
+        self.progress.sent_round = self.progress.round
+        self._link.launch(finite=finite, round_index=self.progress.round)
 
     def _reset(self) -> None:
         """``x <- a - o`` in place: parameters, and the float buffers where the anchor has news for them
@@ -516,40 +466,33 @@ class Fragment:
             return  # the round's average was dropped: nothing moved
         self.live.shift(self._anchor_move, buffers=self._takes)
         self.start.clear_where_(self._applies)
-        self._hold_unsent(weight=self._applies)  # the all-reduce just received has coded the residual
+        self._hold_kept(weight=self._applies)  # the all-reduce just received has coded the residual
         self._anchor_news = False
 
     # ------------------------------------------------------------------ helpers of the phases
 
-    def _hold_unsent(self, weight: Tensor | None = None) -> None:
-        """``o <- o + r``: with ``co2_sparse_keep_unsent`` the worker's next start keeps its own progress
-        that the sparse wire has not sent yet (its error-feedback residual ``r``), instead of
-        dropping it from its model until top-k picks it. The anchor does not change; ``d`` is
-        measured from this start, so what the worker owes stays ``d + r``. Read only while no coded
-        all-reduce of this fragment is in flight (the residual is its to write). ``weight`` (0-d,
-        0 or 1) holds it only where an update was applied."""
-        if self._holds_unsent:
-            unsent = self.codec.unsent[: self.start.offset.numel()]
+    def _hold_kept(self, weight: Tensor | None = None) -> None:
+        """``o <- o + r``: the worker's next start keeps its own progress that the codec has not sent
+        yet (``r``, `Codec.kept_progress`; ``co2_sparse_keep_unsent``), instead of dropping it from its
+        model until it is sent. The anchor does not change; ``d`` is measured from this start, so
+        what the worker owes stays ``d + r``. Read only while no coded all-reduce of this fragment is
+        in flight (``r`` is its to write). ``weight`` (0-d, 0 or 1) holds it only where an update was
+        applied. Nothing without such a codec."""
+        if self._kept is not None:
+            kept = self._kept[: self.start.offset.numel()]
             if weight is None:
-                self.start.offset.add_(unsent)
+                self.start.offset.add_(kept)
             else:
-                self.start.offset.addcmul_(unsent, weight)
+                self.start.offset.addcmul_(kept, weight)
 
     def _quarantine_where(self, finite: Tensor) -> None:
         """On the device: where this worker's outer gradient is not finite, it sends zeros (weight 0
         in the header) and restarts from the anchor (offset cleared, buffers restored at the reset).
         The tally tells the host, which warns and clears the inner optimizer (`CO2`)."""
-        update.zero_unless_(self._wire.payload, finite)
+        update.zero_unless_(self.wire.payload, finite)
         self.start.keep_where_(finite)
         tally.record_send_(self._counts, finite=finite, round_index=self.progress.round)
         self._decided(finite=finite)
-
-    def _header_wait_s(self) -> float:
-        """This rank's last exposed wait, as far as the host knows it without waiting for the device
-        (on a GPU the events of the newest wait may not have completed yet: then the one before)."""
-        if self._last_wait.ready():
-            self._known_wait_s = self._last_wait.get()
-        return self._known_wait_s
 
     def _take_step(self) -> Tensor | None:
         """The step v of the D waiting in the buffer, which counts as applied from now (None: none)."""
@@ -562,12 +505,12 @@ class Fragment:
     @property
     def _step_v(self) -> Tensor:
         """Where the step v lies once `_direction` ran: the buffer (Nesterov) or the momentum."""
-        return self._wire.payload if self.config.co2_nesterov else self._momentum
+        return self.wire.payload if self.config.co2_nesterov else self._momentum
 
     def _move_anchor(self, chunk: Chunk, v: Tensor) -> None:
         lo, mid, hi = chunk.start, chunk.param_stop, chunk.stop
         update.move_anchor_where_(
-            self._anchor[lo:hi], v[lo:hi], self._wire.payload[lo:hi], mid - lo, neg_lr=self._neg_lr, take=self._takes
+            self._anchor[lo:hi], v[lo:hi], self.wire.payload[lo:hi], mid - lo, neg_lr=self._neg_lr, take=self._takes
         )
 
     def _start_of(self, chunk: Chunk) -> Tensor:
@@ -582,54 +525,7 @@ class Fragment:
         move = self.live.scratch(hi - lo, "move")
         torch.mul(self._step_v[lo:mid], self._neg_lr, out=move[: mid - lo])
         self.start.add_offset_(move[: mid - lo], lo, mid, self._applies)
-        if self._holds_unsent:
-            move[: mid - lo].addcmul_(self.codec.unsent[lo:mid], -self._applies)  # ... less the unsent progress kept
+        if self._kept is not None:
+            move[: mid - lo].addcmul_(self._kept[lo:mid], -self._applies)  # ... less the unsent progress kept
         move[mid - lo :].copy_(self._anchor[mid:hi])  # buffers (and padding): set to the mean
         return move
-
-    def _peer_failure(self, error: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"CO2's outer all-reduce of round {self.progress.sent_round} failed or did not finish within "
-            f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
-        )
-
-
-def _codec(
-    config: CO2Config, layout: FlatLayout, num_workers: int, index: int, device: torch.device, pin_memory: bool
-) -> QuantizedWire | SparseWire | None:
-    """The fragment's codec with a coded wire (``co2_comm_dtype`` int8/int4: `QuantizedWire`; sparse:
-    `SparseWire`, whose float buffers travel exactly) over more than one worker; None otherwise (one
-    worker sends nothing, so nothing is coded)."""
-    if num_workers == 1 or not (config.code_bits or config.sparse_wire):
-        return None
-    numel, how = layout.shard_numel, dict(stochastic=config.stochastic_rounding, seed=index, device=device)
-    if config.sparse_wire:
-        _say_sparse_density(config.co2_sparse_density, config.sparse_keep, config.co2_quant_block)
-        return SparseWire(
-            numel,
-            block=config.co2_quant_block,
-            keep=config.sparse_keep,
-            bits=config.co2_sparse_bits,
-            decay=config.co2_sparse_feedback_decay,
-            dense=numel - layout.param_local,
-            pin_memory=pin_memory,
-            **how,
-        )
-    return QuantizedWire(
-        numel, num_workers, bits=config.code_bits, block=config.co2_quant_block, pin_memory=pin_memory, **how
-    )
-
-
-@functools.cache
-def _say_sparse_density(density: float, keep: int, block: int) -> None:
-    """co2_sparse_density is rounded to whole values per block: say so once where that changes it."""
-    if keep != density * block:
-        logger.warning(
-            "CO2: co2_sparse_density=%s keeps round(%s x co2_quant_block=%d) = %d values per block: "
-            "the wire's density is %.6g",
-            density,
-            density,
-            block,
-            keep,
-            keep / block,
-        )

@@ -14,9 +14,10 @@ What carries over, and how (``docs/reliability.md``, "Losing a node"):
   (they described each old worker's own round), and so are an int8/int4 wire's error-feedback
   residuals (what an old rank's codes left out of its own outer gradients and of the slice of the
   sum it owned: at most one round's rounding error, and the slices are cut anew);
-- a sparse wire's residual (``unsent``: most of each outer gradient, still owed to the average) is
-  re-sharded like the anchor, and weighed so that the mean over the new workers of what they still
-  owe is the old workers' mean, where every old worker has a taker (`_unsent_weight`);
+- what a coded wire's residuals carry by position (a sparse wire's: most of each outer gradient,
+  still owed to the average; ``codecs/``, `carried_residual`) is re-sharded like the anchor, and
+  weighed so that the mean over the new workers of what they still owe is the old workers' mean,
+  where every old worker has a taker (`_owed_weight`);
 - the inner optimizer state of new worker ``w'`` is old worker ``w' mod G``'s, re-sharded under
   FSDP2 (`resharded_optimizer_state`): the statistics of a worker that trained the same model on
   the same data distribution, rather than a cold restart (an Adam reset makes the next steps as
@@ -38,8 +39,9 @@ worker's shards on the CPU (`_whole_segments`) and cut again for this rank (`_ow
 each new rank holds the whole model in fp32 once per tensor kind, at load time only.
 
 The format-specific keys of a saved state (format 2, or 1 upgraded; ``core/state.py``) are read in
-`_tensors`, `_counters` and `_layout` only, and written in `_state_like` only; `start_from_anchor`
-works on the engine's clock (`Progress`).
+`_tensors`, `_counters` and `_layout` only, and written in `_state_like` only (a fragment's
+``residuals``, a codec's own state, through ``codecs/`` alone); `start_from_anchor` works on the
+engine's clock (`Progress`).
 
 Streaming fragments (``co2_fragments > 1``, docs/algorithm.md section 7b): fragments are cut on each
 process's shard, so another layout cuts them elsewhere, and each old fragment's received average has
@@ -60,22 +62,23 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import update
+from .codecs import carried_residual, resharded_residuals
 from .layout import fragment_edges
 from .state import RESUMABLE_CHANGES, STATE_FORMAT, check_same_config, upgrade
 from .wire import header_numel
 
 # Settings that may differ between the checkpoint and a resume on another number of workers
 ELASTIC_CHANGES = RESUMABLE_CHANGES + ("co2_worker_size",)
-# The outer tensors that carry over, re-sharded (the start rule's offset does not: it is reset)
-CARRIED = ("anchor", "momentum", "payload", "received")
 
 
 # ------------------------------------------------------------------ the one place that knows the format
 
 
 def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
-    """The carried outer tensors of one saved rank, each over its own shard: the fragments' payloads
-    end to end, and ``received``: 1 where that fragment's buffer holds a received ``D``."""
+    """The outer tensors of one saved rank that carry over, re-sharded, each over its own shard: the
+    anchor, the momentum, the fragments' payloads end to end, ``received`` (1 where that fragment's
+    buffer holds a received ``D``) and, where the codec carries one (`carried_residual`), its
+    ``residual`` by the payloads' positions. The start rule's offset does not: it is reset."""
     saved = upgrade(saved)
     header = header_numel(saved["num_workers"])
     edges = fragment_edges(saved["anchor"].numel(), len(saved["fragments"]))
@@ -95,26 +98,10 @@ def _tensors(saved: dict[str, Any]) -> dict[str, Tensor]:
         "payload": torch.cat(payloads),
         "received": torch.cat(received),
     }
-    if _has_unsent(saved):
-        carried["unsent"] = torch.cat(
-            [_fit(fragment["residuals"]["unsent"], d.numel()) for fragment, d in zip(saved["fragments"], payloads)]
-        )
+    residuals = [carried_residual(f.get("residuals"), d.numel()) for f, d in zip(saved["fragments"], payloads)]
+    if residuals[0] is not None:  # one codec for every fragment
+        carried["residual"] = torch.cat(residuals)
     return carried
-
-
-def _has_unsent(state: dict[str, Any]) -> bool:
-    """Whether ``state``'s fragments hold a sparse wire's residual (``unsent``, core/sparse.py)."""
-    residuals = state["fragments"][0].get("residuals")
-    return residuals is not None and "unsent" in residuals
-
-
-def _fit(values: Tensor, numel: int) -> Tensor:
-    """``values`` cut or zero-padded to ``numel`` (a residual is padded to whole blocks; past the
-    fragment's parameters it holds zeros)."""
-    out = torch.zeros(numel, dtype=torch.float32)
-    m = min(numel, values.numel())
-    out[:m] = values[:m].float().cpu()
-    return out
 
 
 def _counters(saved: dict[str, Any]) -> dict[str, Any]:
@@ -147,11 +134,9 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
             kept["consecutive_skipped"] = kept["skipped_rounds"] = 0
         offset = fragment["own_outer_grad"]
         zero = None if offset is None else torch.zeros_like(offset)
-        residuals = fragment.get("residuals")  # int8/int4 wires: reset, as the offsets are
-        residuals = None if residuals is None else {k: torch.zeros_like(v) for k, v in residuals.items()}
-        if "unsent" in tensors:  # a sparse wire's: this fragment's cut of the re-sharded residual
-            lo, hi = edges[len(fragments)], edges[len(fragments) + 1]
-            residuals["unsent"] = _fit(tensors["unsent"][lo:hi], residuals["unsent"].numel()).to(residuals["unsent"])
+        lo, hi = edges[len(fragments)], edges[len(fragments) + 1]
+        carried = tensors["residual"][lo:hi] if "residual" in tensors else None  # this fragment's cut
+        residuals = resharded_residuals(fragment.get("residuals"), carried)  # else reset, as the offsets are
         fragments.append({"buffer": buffer, "own_outer_grad": zero, "counters": kept, "residuals": residuals})
     if not one:  # the skipped rounds, summed, are kept on the first fragment
         fragments[0]["counters"]["skipped_rounds"] = sum(c["skipped_rounds"] for c in counters["fragments"])
@@ -164,7 +149,7 @@ def _state_like(fresh: dict[str, Any], tensors: dict[str, Tensor], counters: dic
     }
 
 
-def _unsent_weight(old_workers: int, new_workers: int, worker_index: int) -> float:
+def _owed_weight(old_workers: int, new_workers: int, worker_index: int) -> float:
     """The weight of the residual new worker ``w'`` takes from old worker ``w = w' mod G``: ``G' / (G m_w)``,
     ``m_w`` the new workers taking it. Then ``sum_w' r_w' / G' = sum_w r_w / G``, the average still
     owed, whenever every old worker has a taker (``G' >= G``); fewer workers keep their takers' share."""
@@ -236,13 +221,10 @@ def resharded_state(saved: list[dict[str, Any]], engine: Any) -> dict[str, Any]:
     start rule's offset zero. In ``engine``'s format and identity: ``engine.load_state_dict`` takes it."""
     check_reshardable(saved, engine)
     saved = sorted(saved, key=lambda state: _layout(state)["shard_index"])
-    layouts = [_layout(state) for state in saved]
-    tensors = {}
-    for key in CARRIED + (("unsent",) if _has_unsent(saved[0]) else ()):
-        whole = _whole_segments([_tensors(state)[key] for state in saved], layouts)
-        tensors[key] = _own_shard(whole, engine.layout)
-    if "unsent" in tensors:
-        tensors["unsent"].mul_(_unsent_weight(saved[0]["num_workers"], engine.num_workers, engine.comm.worker_index))
+    layouts, parts = [_layout(state) for state in saved], [_tensors(state) for state in saved]
+    tensors = {key: _own_shard(_whole_segments([p[key] for p in parts], layouts), engine.layout) for key in parts[0]}
+    if "residual" in tensors:  # what each worker still owes the average
+        tensors["residual"].mul_(_owed_weight(saved[0]["num_workers"], engine.num_workers, engine.comm.worker_index))
     if engine.config.fragments > 1:
         _apply_received(tensors, engine)
     return _state_like(engine.state_dict(), tensors, _counters(saved[0]))

@@ -1,4 +1,5 @@
-"""The buffer the outer all-reduce sums, and its named regions (``docs/algorithm.md``, section 10).
+"""The buffer the outer all-reduce sums, its named regions (``docs/algorithm.md``, section 10), and
+one fragment's all-reduce of it (`WireLink`).
 
 ```
 [ payload: flat d (params, then absolute buffer values, then padding) | weight | 32 round bits | G wait times ]
@@ -6,14 +7,25 @@
 
 `WireBuffer` makes these regions as views in one place; nothing else indexes the header. The fp32
 buffer is the engine's working memory (it holds ``D``, then ``P * D``, then the Nesterov step,
-then the next ``d``); with ``co2_comm_dtype='bfloat16'`` a bf16 copy is what travels; with int8 or
-int4 the payload travels as codes (``quant.py``) and the header as it is, in fp32.
+then the next ``d``); with ``co2_comm_dtype='bfloat16'`` a bf16 copy is what travels; with int8,
+int4 or sparse the payload travels as codes (``codecs/``) and the header as it is, in fp32.
+`WirePool` hands fragments their buffers; `WireLink` launches a fragment's all-reduce through the
+communicator, waits for it and times it.
 """
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 from torch import Tensor
+from torch.profiler import record_function
+
+from ..config import CO2Config
+from .codecs import Codec
+from .comm import Communicator, Pending
+from .tally import Seconds
 
 ROUND_BITS = 32  # the round index travels as bits: any disagreement gives a bit sum in (0, G)
 
@@ -124,3 +136,93 @@ class WirePool:
 
     def nbytes(self) -> int:
         return sum(buffer.nbytes() for buffer in self._made)
+
+
+class WireLink:
+    """One fragment's outer all-reduce, round after round: its buffer (taken from the pool while the
+    fragment needs one: `hold` / `release`), the all-reduce of it in flight (``pending``), launched
+    through the communicator plain or coded by the fragment's codec (``codecs/``; None: the buffer
+    travels as it is), the wait for it bounded by the config's ``co2_timeout_s``, and its times:
+    ``last_wait`` (exposed), ``last_comm`` (launch to completion) and those since the last `comm_s` pop."""
+
+    def __init__(
+        self, comm: Communicator, codec: Codec | None, pool: WirePool, numel: int, *, keep: bool, config: CO2Config
+    ) -> None:
+        self.comm, self.codec, self.config = comm, codec, config
+        self._pool, self._numel, self._keep = pool, numel, keep  # keep: hold the buffer all along
+        self.buffer: WireBuffer | None = pool.acquire(numel) if keep else None
+        self.pending: Pending | None = None
+        self.last_wait, self.last_comm = Seconds(0.0), Seconds(0.0)
+        self._known_wait_s = 0.0  # the newest exposed wait the host knows without waiting: the header's
+        self._comm_times: list[Seconds] = []  # launch to completion of each all-reduce since the last pop
+
+    def hold(self) -> WireBuffer:
+        """The buffer, taken from the pool if none is held."""
+        if self.buffer is None:
+            self.buffer = self._pool.acquire(self._numel)
+        return self.buffer
+
+    def release(self) -> None:
+        """Give the buffer back to the pool (the fragment has nothing in flight or waiting in it), unless
+        it is kept all along."""
+        if not self._keep and self.buffer is not None:
+            self._pool.release(self.buffer)
+            self.buffer = None
+
+    def launch(self, *, finite: Tensor, round_index: int) -> None:
+        """Write this worker's header (``finite``: a 0-d bool tensor) and start the all-reduce of the
+        buffer (its payload written)."""
+        buffer = self.buffer
+        tensor = buffer.pack_header(
+            finite=finite, round_index=round_index, wait_s=self._header_wait_s(), worker_index=self.comm.worker_index
+        )
+        with record_function("co2/launch"):
+            try:
+                if self.codec is None:
+                    self.pending = self.comm.launch(tensor)
+                else:  # a non-finite worker's zeros leave its own residual for a later round
+                    coded = functools.partial(
+                        self.codec.all_reduce_, buffer.payload, buffer.header, feedback=finite, round_index=round_index
+                    )
+                    self.pending = self.comm.launch_coded(tensor, coded)
+            except RuntimeError as error:  # a transport may already know that a peer is gone
+                raise self._peer_failure(error, round_index) from error
+
+    def complete(self, round_index: int, *, exposed: bool) -> Pending | None:
+        """Wait for the all-reduce in flight (of round ``round_index``; None: none was) and time it: the
+        wait is a boundary's exposed wait, or recorded as 0 outside one (``exposed`` False)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        start = time.perf_counter()
+        with record_function("co2/wait"):
+            try:
+                self.comm.wait(pending, self.config.co2_timeout_s)
+            except RuntimeError as error:
+                raise self._peer_failure(error, round_index) from error
+        waited = pending.wait_time(since=start)  # CUDA: the compute stream's stall, read later (comm.py)
+        self.last_wait = waited if exposed else Seconds(0.0)
+        self.last_comm = pending.comm_time()
+        self._comm_times.append(self.last_comm)
+        return pending
+
+    def comm_s(self, *, pop: bool) -> float | None:
+        """The mean launch-to-completion time of the all-reduces completed since the last pop (None:
+        none was); ``pop`` starts the next window. On a GPU this waits for their CUDA events."""
+        times = self._comm_times
+        if pop:
+            self._comm_times = []
+        return sum(t.get() for t in times) / len(times) if times else None
+
+    def _header_wait_s(self) -> float:
+        """This rank's last exposed wait, as far as the host knows it without waiting for the device
+        (on a GPU the events of the newest wait may not have completed yet: then the one before)."""
+        if self.last_wait.ready():
+            self._known_wait_s = self.last_wait.get()
+        return self._known_wait_s
+
+    def _peer_failure(self, error: Exception, round_index: int) -> RuntimeError:
+        return RuntimeError(
+            f"CO2's outer all-reduce of round {round_index} failed or did not finish within "
+            f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
+        )

@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroup
 
-from ..core.collectives import Collectives
+from ..core.codecs.collectives import Collectives
 from ..core.comm import BackgroundWork, Communicator, Pending
 from .transport import RecoveryTransport
 
@@ -178,7 +178,7 @@ class GroupNotFormed(RuntimeError):
 
 
 class QuorumCollectives:
-    """The coded wires' two collectives (``core/collectives.py``) over the group of the Manager's
+    """The coded wires' two collectives (``core/codecs/collectives.py``) over the group of the Manager's
     current quorum: its participants, this replica's rank among them. Each waits ``timeout`` at
     most and raises on failure (the caller reports it to the Manager)."""
 

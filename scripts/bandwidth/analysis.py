@@ -142,7 +142,7 @@ def predicted_link_bytes(method: str, block: Block, run: Run | None = None) -> f
     run: ``finalize()`` runs the boundary of the F - 1 fragments that took steps since theirs, one
     more (F - 1)/F of S over the run's rounds. Another wire type scales S by its bytes per value
     (`wire_bytes_per_value`); the quantized all-reduce sends ``2 (R-1)/R`` of its codes and scales as
-    well (an all-to-all, then an all-gather: core/quant.py). The peers: S per round for their syncs;
+    well (an all-to-all, then an all-gather: core/codecs/quant.py). The peers: S per round for their syncs;
     what they send once per run is not in it (torchft's first quorum, where replica 0 sends its state
     to the others; accelerate's average on exit; post-local SGD's warm-up step)."""
     if method == "no_comm":

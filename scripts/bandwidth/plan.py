@@ -76,8 +76,8 @@ class Run:
 
 def wire_bytes_per_value(wire: str) -> float:
     """Bytes on the wire per outer-gradient value: the dtype's, or a code plus its share of the block's
-    fp32 scale (core/quant.py; the exact fp32 header of each all-reduce is left out); sparse: the
-    payload of CO2Config()'s sparse settings (core/sparse.py), which an all-gather between 2 ranks
+    fp32 scale (core/codecs/quant.py; the exact fp32 header of each all-reduce is left out); sparse: the
+    payload of CO2Config()'s sparse settings (core/codecs/sparse.py), which an all-gather between 2 ranks
     sends once, as a ring all-reduce sends 2 (R-1)/R = 1 of a dense vector (more ranks: not comparable)."""
     if wire == "sparse":
         from co2_hf import CO2Config

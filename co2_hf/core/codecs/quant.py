@@ -15,9 +15,9 @@ Each rank sends ``2 (G-1)/G`` times the coded bytes, as a ring all-reduce does w
 about a quarter of fp32 on the wire, 4-bit an eighth, plus one fp32 scale per block. Every rank
 ends with the same dequantized sum, bit for bit, because it is decoded from the same codes. A
 small fp32 tensor that must be summed exactly (the engine's header: weights, round bits, waits)
-rides along in the all-gather. `QuantizedWire` is what the engine keeps per fragment: the settings
-and the two residuals; the communicator runs its all-reduce off the main thread
-(``comm.py``, ``launch_coded``).
+rides along in the all-gather. `QuantizedWire` is the `Codec` (``__init__.py``) the engine keeps per
+fragment: the settings and the two residuals (checkpoint keys ``sent`` and ``owned``); the
+communicator runs its all-reduce off the main thread (``comm.py``, ``launch_coded``).
 Only ``all_to_all_single`` and the single-tensor all-gather are used: gloo and NCCL both have them.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .collectives import Collectives, GroupCollectives
+from .collectives import Collectives, GroupCollectives, round_generator
 
 LEVELS = {8: 127, 4: 7}  # largest code magnitude for each width (symmetric: no zero point)
 
@@ -164,10 +164,12 @@ def _unpack(rows: Tensor, code_bytes: int, *, bits: int, block: int) -> Tensor:
 
 
 class QuantizedWire:
-    """One fragment's outer gradients on the wire as codes (``co2_comm_dtype`` int8 or int4): the
-    quantizer's settings and this rank's two error-feedback residuals, which are checkpoint state
-    (`state` / `load_`). Rounding noise (``stochastic``) is drawn from a generator seeded by the
-    worker, the fragment and the round, so a resumed run draws the same noise."""
+    """One fragment's outer gradients on the wire as codes (``co2_comm_dtype`` int8 or int4), a
+    `Codec`: the quantizer's settings and this rank's two error-feedback residuals, which are
+    checkpoint state (`state` / `load_`: ``sent``, its own vector's, and ``owned``, the slice of the
+    sum it codes). Rounding noise (``stochastic``) is drawn from `round_generator`."""
+
+    STATE_KEYS = ("sent", "owned")
 
     def __init__(
         self,
@@ -196,10 +198,11 @@ class QuantizedWire:
         self.owned = ErrorFeedback(padded // world, **self._zeros)
 
     def _regroup(self, world: int, rank: int) -> None:
-        """The all-reduce's group changed (a torchft quorum, ``co2_hf/torchft/``): this rank now sums another
-        slice, of another length. What ``owned`` kept of its old slice is added into ``sent`` at that
-        slice's place, so that this rank sends it next round and the sum over rounds loses nothing;
-        both residuals then take the new lengths (``sent`` keeps its values: those past ``numel`` are
+        """The all-reduce's group is not the one the residuals were made for (a torchft quorum,
+        ``co2_hf/torchft/``, or residuals loaded from one): this rank now sums another slice, of
+        another length. What ``owned`` kept of its old slice is added into ``sent`` at that slice's
+        place, so that this rank sends it next round and the sum over rounds loses nothing; both
+        residuals then take the new lengths (``sent`` keeps its values: those past ``numel`` are
         padding and mean nothing)."""
         old_rank = rank if self._rank is None else self._rank
         owned, sent = self.owned.residual, self.sent.residual
@@ -211,18 +214,13 @@ class QuantizedWire:
     def all_reduce_(
         self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool | Tensor, round_index: int
     ) -> None:
-        """Sum ``x`` over the workers through codes, and ``exact`` (the header) exactly.
-        ``feedback=False`` (a non-finite worker, which sends zeros) leaves this rank's own residual
-        for a later round; a 0-d bool tensor (the engine's, decided on the device) is read here, in the
-        communicator's thread, off the compute path."""
+        """`Codec.all_reduce_`: ``x`` through codes (`quantized_all_reduce_`), ``exact`` exactly. A
+        group of another size or rank than the residuals' regroups them first (`_regroup`)."""
         feedback = bool(feedback)
         if collectives.world_size != self.world or (self._rank is not None and collectives.rank != self._rank):
             self._regroup(collectives.world_size, collectives.rank)
         self._rank = collectives.rank
-        generator = None
-        if self.stochastic:
-            generator = torch.Generator(device=x.device)
-            generator.manual_seed(hash((self.seed, collectives.rank, round_index)) & (2**62 - 1))
+        generator = round_generator(self.seed, collectives.rank, round_index, x.device) if self.stochastic else None
         quantized_all_reduce_(
             x,
             collectives,
@@ -235,8 +233,18 @@ class QuantizedWire:
             exact=exact,
         )
 
+    def sent_nbytes(self, world: int, header_numel: int) -> float:
+        """Bytes this rank sends per all-reduce over ring collectives, for ``world`` workers: the
+        all-to-all and the all-gather of the codes (each ``(G-1)/G`` of them), the header to ``G - 1`` peers."""
+        coded = coded_nbytes(padded_numel(self.numel, world=world, block=self.block), bits=self.bits, block=self.block)
+        return 2 * (world - 1) / world * coded + (world - 1) * 4 * header_numel
+
     def nbytes(self) -> int:
         return 4 * (self.sent.residual.numel() + self.owned.residual.numel())
+
+    def kept_progress(self) -> None:
+        """Nothing of the worker's progress is kept in its start (a residual holds one round's rounding)."""
+        return None
 
     def state(self) -> dict[str, Tensor]:
         return {"sent": self.sent.residual, "owned": self.owned.residual}
@@ -250,8 +258,18 @@ class QuantizedWire:
         self.sent.residual.copy_(saved["sent"])
         self.owned.residual.copy_(saved["owned"])
 
+    @staticmethod
+    def carried(saved: dict[str, Tensor], numel: int) -> None:
+        """Nothing follows a re-shard: both residuals are reset, as the start rule's offsets are (what
+        an old rank's codes left out is at most one round's rounding, and the slices are cut anew)."""
+        return None
 
-# torch 2.13 renamed all_gather_into_tensor (kept, with a FutureWarning) to all_gather_single
+    @staticmethod
+    def resharded(fresh: dict[str, Tensor], carried: Tensor | None) -> dict[str, Tensor]:
+        """This rank's residuals after a re-shard: zeros of its own lengths (``fresh``: its `state`)."""
+        return {key: torch.zeros_like(value) for key, value in fresh.items()}
+
+
 def _levels(bits: int) -> int:
     return LEVELS[_checked_bits(bits)]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import MAX_SPARSE_BLOCK, SPARSE_BITS
-from .collectives import Collectives, GroupCollectives
+from ...config import MAX_SPARSE_BLOCK, SPARSE_BITS
+from .collectives import Collectives, GroupCollectives, round_generator
 
 BLOCK_MULTIPLE = 4  # blocks per vector: a multiple of 4, so that 2-bit codes fill whole bytes
 
@@ -156,10 +156,14 @@ def sent_nbytes(numel: int, *, world: int, block: int, keep: int, bits: int, exa
 
 
 class SparseWire:
-    """One fragment's outer gradients on the wire as block-local top-k (``co2_comm_dtype='sparse'``):
-    the settings and this rank's error-feedback residual (`state` / `load_`, key ``unsent``). The
-    last ``dense`` values of the payload (the fragment's float buffers) travel exactly, beside the
-    header. Stochastic rounding draws from a generator seeded by the fragment, rank and round."""
+    """One fragment's outer gradients on the wire as block-local top-k (``co2_comm_dtype='sparse'``),
+    a `Codec`: the settings and this rank's error-feedback residual (`state` / `load_`, key
+    ``unsent``). The last ``dense`` values of the payload (the fragment's float buffers) travel
+    exactly, beside the header. Stochastic rounding draws from `round_generator`. With
+    ``keep_unsent`` (``co2_sparse_keep_unsent``) the worker keeps the residual's progress in its
+    start (`kept_progress`)."""
+
+    STATE_KEYS = ("unsent",)
 
     def __init__(
         self,
@@ -173,25 +177,22 @@ class SparseWire:
         dense: int,
         device: torch.device,
         decay: float = 1.0,
+        keep_unsent: bool = False,
         pin_memory: bool = False,
     ) -> None:
         _check(block=block, keep=keep, bits=bits)
         self.block, self.keep, self.bits, self.stochastic, self.seed = block, keep, bits, stochastic, seed
-        self.sparse_numel, self.dense = numel - dense, dense
+        self.sparse_numel, self.dense, self.keep_unsent = numel - dense, dense, keep_unsent
         padded = sparse_padded_numel(self.sparse_numel, block=block)
         self.feedback = SparseFeedback(padded, decay=decay, device=device, pin_memory=pin_memory)
 
     def all_reduce_(
         self, x: Tensor, exact: Tensor, collectives: Collectives, *, feedback: bool | Tensor, round_index: int
     ) -> None:
-        """Sum ``x`` (its parameters as sparse codes, its buffers exactly) and ``exact`` (the header)
-        over the workers. ``feedback=False`` (a non-finite worker's zeros) leaves the residual alone; a
-        0-d bool tensor (the engine's) is read here, in the communicator's thread, off the compute path."""
+        """`Codec.all_reduce_`: ``x``'s parameters as sparse codes (`sparse_all_reduce_`), its buffers
+        and ``exact`` exactly. The residual has one length in any group: nothing to regroup."""
         feedback = bool(feedback)
-        generator = None
-        if self.stochastic:
-            generator = torch.Generator(device=x.device)
-            generator.manual_seed(hash((self.seed, collectives.rank, round_index)) & (2**62 - 1))
+        generator = round_generator(self.seed, collectives.rank, round_index, x.device) if self.stochastic else None
         m = self.sparse_numel
         both = torch.cat([x[m:], exact.view(-1)])  # buffers then header, summed exactly
         sparse_all_reduce_(
@@ -214,6 +215,12 @@ class SparseWire:
         position in the fragment's parameters (then padding). Written by `all_reduce_`."""
         return self.feedback.residual
 
+    def kept_progress(self) -> Tensor | None:
+        """With ``keep_unsent``: `unsent`, which the worker's start keeps (``o <- o + r``: its model
+        keeps its own progress that top-k has not sent yet, instead of dropping it until top-k picks
+        it); None otherwise. Read only while no all-reduce of this codec is in flight."""
+        return self.feedback.residual if self.keep_unsent else None
+
     def sent_nbytes(self, world: int, header_numel: int) -> int:
         """Bytes this rank sends per all-reduce (ring all-gather), for ``world`` workers."""
         how = dict(block=self.block, keep=self.keep, bits=self.bits)
@@ -227,6 +234,19 @@ class SparseWire:
 
     def load_(self, saved: dict[str, Tensor]) -> None:
         self.feedback.residual.copy_(saved["unsent"])
+
+    @staticmethod
+    def carried(saved: dict[str, Tensor], numel: int) -> Tensor:
+        """What follows a re-shard: the residual (most of each outer gradient, still owed to the
+        average), by position in the fragment's payload of ``numel`` values (fp32, on the CPU)."""
+        return _fit(saved["unsent"], numel)
+
+    @staticmethod
+    def resharded(fresh: dict[str, Tensor], carried: Tensor | None) -> dict[str, Tensor]:
+        """This rank's residual after a re-shard: ``carried`` (its cut of the re-sharded residual,
+        None: zeros) in ``fresh``'s length, dtype and device (``fresh``: its `state`)."""
+        own = fresh["unsent"]
+        return {"unsent": torch.zeros_like(own) if carried is None else _fit(carried, own.numel()).to(own)}
 
 
 def _check(*, block: int, keep: int, bits: int) -> None:
@@ -249,3 +269,12 @@ def _pack(codes: Tensor, bits: int) -> Tensor:
 def _unpack(packed: Tensor, bits: int) -> Tensor:
     per, mask = 8 // bits, 2**bits - 1
     return torch.stack([(packed >> (bits * j)) & mask for j in range(per)], dim=1).view(-1)
+
+
+def _fit(values: Tensor, numel: int) -> Tensor:
+    """``values`` cut or zero-padded to ``numel``, fp32 on the CPU (a residual is padded to whole
+    blocks; past the fragment's parameters it holds zeros)."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    m = min(numel, values.numel())
+    out[:m] = values[:m].float().cpu()
+    return out
