@@ -25,8 +25,8 @@ COMM_DTYPES = get_args(CommDtype)
 QUANT_ROUNDINGS = get_args(QuantRounding)
 STATE_DEVICES = get_args(StateDevice)
 FAULT_TOLERANCES = get_args(FaultTolerance)
-CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/quant.py)
-SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/sparse.py)
+CODE_BITS = {"int8": 8, "int4": 4}  # the wire types sent as block-quantized codes (core/codecs/quant.py)
+SPARSE_BITS = (2, 4)  # value widths of the sparse wire (core/codecs/sparse.py)
 MAX_SPARSE_BLOCK = 256  # the sparse wire sends a kept value's position within its block as one byte
 
 # The round-index check travels in bfloat16 when the wire is bfloat16; its per-bit sums are exact
@@ -63,8 +63,8 @@ CHOICES = {
 
 
 def bytes_per_value(*, block: int, keep: int, bits: int) -> float:
-    """Sparse wire payload bytes per value, padding aside (core/sparse.py's layout: per block, ``keep``
-    uint8 indices, ``keep`` codes of ``bits`` and one fp32 scale). Here, not in core/sparse.py, so
+    """Sparse wire payload bytes per value, padding aside (core/codecs/sparse.py's layout: per block, ``keep``
+    uint8 indices, ``keep`` codes of ``bits`` and one fp32 scale). Here, not in core/codecs/sparse.py, so
     that the settings check needs nothing from the engine."""
     return (keep + keep * bits / 8 + 4) / block
 

@@ -17,7 +17,7 @@ from typing import Any
 from .allowed import (
     CODE_BITS,
     MAX_LOCAL_STEPS,
-    MAX_SPARSE_BLOCK,  # noqa: F401 (each noqa: a name core/sparse.py, scripts or tests read from here)
+    MAX_SPARSE_BLOCK,  # noqa: F401 (each noqa: a name core/codecs/sparse.py, scripts or tests read from here)
     MIN_TIMEOUT_S,
     SPARSE_BITS,  # noqa: F401
     SPARSE_ONLY,
@@ -109,7 +109,7 @@ class CO2Config:
         "What the outer all-reduce sends: 'float32', 'bfloat16', or block-quantized codes with "
         "error feedback, 'int8' (about 0.26x the bytes of float32) or 'int4' (about 0.13x), or "
         "'sparse': per block, the co2_sparse_density largest values in co2_sparse_bits bits with "
-        "error feedback, all-gathered (core/sparse.py). Outer state stays float32.",
+        "error feedback, all-gathered (core/codecs/sparse.py). Outer state stays float32.",
     )
     co2_quant_block: int = _knob(
         128,

@@ -5,7 +5,7 @@ The engine needs these eight verbs (``docs/algorithm.md``, "Communication"), and
 - ``broadcast_``: copy tensors from the first rank to every rank (blocking; at start-up);
 - ``launch``: start a SUM all-reduce of the outer buffer across workers and return at once;
 - ``launch_coded``: the same for a buffer summed through codes (``co2_comm_dtype`` int8/int4,
-  ``quant.py``): a blocking reduction handed the outer group's collectives, run off the main
+  ``codecs/quant.py``): a blocking reduction handed the outer group's collectives, run off the main
   thread; return at once;
 - ``wait``: block until a launched all-reduce is done (exactly once per launch);
 - ``all_reduce_``: a blocking SUM over every process (data-parallel warm-up only; under FSDP2, over

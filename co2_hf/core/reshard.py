@@ -31,7 +31,7 @@ parameters and optimizer state) between world sizes, but CO2's outer state is no
 one flat fp32 vector per process whose padding depends on k (a global size DCP would refuse to load
 into another k: "Size mismatch between saved ... and current"), replicated over the G workers,
 and it must sit beside the rank files that the checkpoint manifest hashes and publishes
-atomically (``integrations/checkpoint.py``). Expressing it for DCP would mean a second checkpoint
+atomically (``co2_hf/checkpoints/``). Expressing it for DCP would mean a second checkpoint
 format (``.distcp`` files and their metadata, planned collectively) for one case. The layouts
 here are simple enough to invert exactly: a flat split (contiguous shards of one padded vector) or
 FSDP2's ``Shard(0)`` (``torch.chunk`` of dim 0). So each tensor is rebuilt whole from the source

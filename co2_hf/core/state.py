@@ -5,9 +5,9 @@ tensors it holds (keys ``anchor``, ``momentum``), the engine's clock (`Progress`
 and, per fragment (key ``fragments``, one entry per fragment, one when ``co2_fragments = 1``): the
 fp32 communication buffer with a completed all-reduce result in it (``buffer``), the start rule's
 offset or None (``own_outer_grad``), the fragment's `FragmentProgress` (``counters``) and, with a
-quantized wire, this rank's two error-feedback residuals (``residuals``: ``sent`` and ``owned``;
-None or absent otherwise). The
-config and the layout are checked by `check_compatible`. The caller saves the rank's live
+coded wire, this rank's error-feedback residuals (``residuals``, keyed as the codec names them:
+``codecs/``, ``STATE_KEYS``; None or absent with the plain wire). The config and the layout are
+checked by `check_compatible`. The caller saves the rank's live
 parameters and inner optimizer state beside it. An all-reduce in flight is waited for first and
 stored as completed (its values do not depend on when it is waited for), so the fragment's next
 event uses it without waiting again and the resumed run continues bit for bit.

@@ -19,7 +19,8 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroup
 
 from ..core.codecs.collectives import Collectives
-from ..core.comm import BackgroundWork, Communicator, Pending
+from ..core.comm import Communicator, Pending
+from ..core.waits import BackgroundWork
 from .transport import RecoveryTransport
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ over them, and a replica that is behind (a replacement, or a survivor that could
 a live peer's whole state first. The outer gradient is summed over the round's participants; the
 wire's header counts the finite ones, so the mean is over whoever sent. A coded wire (int8, int4,
 sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); its residuals
-follow the group's changes (``quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
+follow the group's changes (``core/codecs/quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
 fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied. A
 peer's state travels only between the job's own replicas, signed with the job's secret, and every
 listener is on the job's address (``recovery.py``; docs/reliability.md, "torchft: who can reach what").
