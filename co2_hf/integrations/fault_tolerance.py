@@ -107,6 +107,25 @@ class ReplicaOverrides:
         if checkpoint is not REJOINED:
             super()._load_rng_state(checkpoint)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model``; on torchft only by replica group 0, which writes the model
+        every group holds (the others are told so at start)."""
+        if self._replica is not None and not self._replica.saves:
+            return
+        super().save_model(output_dir, _internal_call)
+
+    def is_world_process_zero(self) -> bool:
+        """On torchft the job's main process is replica group 0's: the one that saves, reports and
+        logs (each replica group is a launch of its own, and each would be its own process zero)."""
+        replica = getattr(self, "_replica", None)  # the Trainer's __init__ asks before ours has run
+        return super().is_world_process_zero() and (replica is None or replica.saves)
+
+    def push_to_hub(self, *args, **kwargs):
+        """The Trainer's push; on torchft only from replica group 0, which holds the saved model."""
+        if self._replica is not None and not self._replica.saves:
+            return None
+        return super().push_to_hub(*args, **kwargs)
+
 
 class Replica:
     """One replica group's Trainer on torchft: builds CO2 through `TorchFT`, lends and takes the

@@ -313,26 +313,12 @@ class CO2Trainer(CheckpointOverrides, ReplicaOverrides, Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model`` (``_save`` on the main process, Hub push on its own terms), and for
         a user's own call a model card with CO2's section."""
-        if self._replica is not None and not self._replica.saves:
-            return  # replica group 0 writes the model every group holds (warned at start)
-        super().save_model(output_dir, _internal_call)
+        super().save_model(output_dir, _internal_call)  # on torchft, by replica group 0 only (ReplicaOverrides)
         # a card describes a transformers model: a plain nn.Module has no config to fill one with
         card = self.co2_config is not None and getattr(self.model, "config", None) is not None
         if card and not _internal_call and self.is_world_process_zero():
             directory = output_dir if output_dir is not None else self.args.output_dir
             self._write_model_card(directory)
-
-    def is_world_process_zero(self) -> bool:
-        """On torchft the job's main process is replica group 0's: the one that saves, reports and
-        logs (each replica group is a launch of its own, and each would be its own process zero)."""
-        replica = getattr(self, "_replica", None)  # the Trainer's __init__ asks before ours has run
-        return super().is_world_process_zero() and (replica is None or replica.saves)
-
-    def push_to_hub(self, *args, **kwargs):
-        """The Trainer's push; on torchft only from replica group 0, which holds the saved model."""
-        if self._replica is not None and not self._replica.saves:
-            return None
-        return super().push_to_hub(*args, **kwargs)
 
     def create_model_card(self, *args, tags=None, **kwargs) -> None:
         """The Trainer's card (its metadata, training results and hyperparameters), tagged ``co2`` and the
