@@ -29,6 +29,7 @@ TRAINING_DEFAULTS = dict(
 # the `evaluate` accuracy metric, from disk: evaluate.load("accuracy") would fetch it from the Hub
 METRIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "accuracy")
 
+
 def training_defaults() -> dict:
     """TRAINING_DEFAULTS plus the progress bar: shown in an interactive terminal, off when stderr
     is a file or a pipe (CI logs, compare_methods.py), where a bar only adds carriage returns.
@@ -78,8 +79,11 @@ def load_accuracy():
     return evaluate.load(METRIC_DIR)
 
 
-def plot_curves(log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss") -> str:
-    """Training loss and the evaluated metric against optimizer steps, as a PNG."""
+def plot_curves(
+    log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss", loss_label: str = "training loss"
+) -> str:
+    """Training loss and the evaluated metric against optimizer steps, as a PNG; the legend sits
+    under the axes, where it covers no point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,25 +91,39 @@ def plot_curves(log_history: list[dict], path: str, *, title: str, metric: str =
 
     train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
     evals = [(e["step"], e[metric]) for e in log_history if metric in e]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     if train:
-        ax.plot(*zip(*train), label="training loss (mean over workers)", alpha=0.6)
+        ax.plot(*zip(*train), label=loss_label, alpha=0.6)
     if evals and metric.endswith("loss"):
         ax.plot(*zip(*evals), marker="o", label=f"{metric} (anchor)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats)")
     ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
     if evals and not metric.endswith("loss"):
         twin = ax.twinx()
-        twin.plot(*zip(*evals), marker="o", color="C1", label=metric)
+        twin.plot(*zip(*evals), marker="o", color="C1", label=f"{metric} (anchor)")
         twin.set_ylabel(metric)
-        twin.legend(loc="center right")
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
-    fig.tight_layout()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room below the axes for the legend
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def training_loss_label(args) -> str:
+    """What the Trainer's logged ``loss`` is: the mean over the launch's processes (it gathers them at
+    each logging step), or one process's own; on torchft each replica group is a launch of one, and
+    replica group 0's is the one logged and plotted."""
+    if getattr(args, "co2_enabled", False) and getattr(args, "co2_fault_tolerance", "none") == "torchft":
+        return "training loss (replica group 0's own)"
+    if args.world_size > 1:
+        return f"training loss (mean over the {args.world_size} processes)"
+    return "training loss (one process)"
 
 
 def write_run_summary(output_dir: str, args, extra: dict) -> None:
@@ -139,8 +157,9 @@ def train_and_report(trainer, *, start: float, per_step: dict, title: str, metri
         summary = {"world_size": args.world_size, "wall_time_s": time.time() - start, **per_step}
         summary["fsdp2_inside_workers"] = type(trainer.model).__name__.startswith("FSDP")
         write_run_summary(args.output_dir, args, summary)
+        curve = os.path.join(args.output_dir, "loss_curve.png")
         plot = plot_curves(
-            trainer.state.log_history, os.path.join(args.output_dir, "loss_curve.png"), title=title, metric=metric
+            trainer.state.log_history, curve, title=title, metric=metric, loss_label=training_loss_label(args)
         )
         print(
             f"{metric} {eval_metrics[metric]:.4f}"

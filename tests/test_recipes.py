@@ -536,3 +536,31 @@ def test_vit_checkpoint_with_other_labels_needs_ignore_mismatched_sizes(tmp_path
     args.ignore_mismatched_sizes = True
     model = finetune_vit.build_model(args, ["cat", "dog"], seed=0)
     assert model.config.id2label == {0: "cat", 1: "dog"} and type(model).__name__ == "ViTForImageClassification"
+
+
+@pytest.mark.timeout(60)
+def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import common
+    import matplotlib.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    label = common.training_loss_label
+    assert label(SimpleNamespace(world_size=2, co2_enabled=True)) == "training loss (mean over the 2 processes)"
+    assert label(SimpleNamespace(world_size=1, co2_enabled=False)) == "training loss (one process)"
+    torchft = SimpleNamespace(world_size=1, co2_enabled=True, co2_fault_tolerance="torchft")
+    assert label(torchft) == "training loss (replica group 0's own)"  # each replica group is a launch of one
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, "eval_accuracy": 0.9}]
+    common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric="eval_accuracy", loss_label="L")
+    (fig,) = saved
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["L", "eval_accuracy (anchor)"]  # both axes' lines
+    below = legend.get_window_extent(renderer).y1
+    assert all(below <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
