@@ -90,25 +90,36 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
-    evals = [(e["step"], e[metric]) for e in log_history if metric in e]
+    # the evaluation after training (an entry after the Trainer's train_runtime summary) is of the final
+    # model, every worker's last round applied: a point of its own, not the curve's next step
+    end = next((i for i, e in enumerate(log_history) if "train_runtime" in e), len(log_history))
+    evals = [(e["step"], e[metric]) for e in log_history[:end] if metric in e]
+    final = [(e["step"], e[metric]) for e in log_history[end:] if metric in e][-1:]
     fig, ax = plt.subplots(figsize=(7, 5))
     if train:
         ax.plot(*zip(*train), label=loss_label, alpha=0.6)
-    if evals and metric.endswith("loss"):
-        ax.plot(*zip(*evals), marker="o", label=f"{metric} (anchor)")
+    final_label = f"{metric}, final model"
+    if metric.endswith("loss"):
+        if evals:
+            ax.plot(*zip(*evals), marker="o", label=f"{metric} (anchor)")
+        if final:
+            ax.plot(*zip(*final), marker="*", markersize=12, linestyle="none", color="C3", label=final_label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats)")
     ax.set_title(title)
     handles, labels = ax.get_legend_handles_labels()
-    if evals and not metric.endswith("loss"):
+    if (evals or final) and not metric.endswith("loss"):
         twin = ax.twinx()
-        twin.plot(*zip(*evals), marker="o", color="C1", label=f"{metric} (anchor)")
+        if evals:
+            twin.plot(*zip(*evals), marker="o", color="C1", label=f"{metric} (anchor)")
+        if final:
+            twin.plot(*zip(*final), marker="*", markersize=12, linestyle="none", color="C3", label=final_label)
         twin.set_ylabel(metric)
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     ax.grid(alpha=0.3)
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=len(handles), frameon=False)
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(handles), 3), frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))  # room below the axes for the legend
     fig.savefig(path, dpi=120)
     plt.close(fig)

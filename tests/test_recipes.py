@@ -555,12 +555,14 @@ def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_p
     saved = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
     history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, "eval_accuracy": 0.9}]
+    history += [{"step": 10, "train_runtime": 1.0}, {"step": 10, "eval_accuracy": 0.92}]  # after training
     common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric="eval_accuracy", loss_label="L")
     (fig,) = saved
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     renderer = canvas.get_renderer()
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == ["L", "eval_accuracy (anchor)"]  # both axes' lines
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == ["L", "eval_accuracy (anchor)", "eval_accuracy, final model"]  # both axes' lines
     below = legend.get_window_extent(renderer).y1
     assert all(below <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
