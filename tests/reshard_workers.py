@@ -135,4 +135,3 @@ def _refusals(run: str, saved: list[dict], k: int, fsdp: bool) -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
-

@@ -238,7 +238,6 @@ def two_process_suite(rank: int, world: int, out: str) -> dict:
     }
 
 
-
 class _AtTrainBegin:
     """What the resumed trainer holds when training starts: CO2's counters, whether every live
     tensor is the anchor, and the inner optimizer's state (as tensors by parameter index)."""

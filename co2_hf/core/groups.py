@@ -113,6 +113,7 @@ def worker_mesh(worker_size: int, device_type: str | None = None, *, timeout_s: 
 
 # ---------------------------------------------------------------------- interpreter exit
 
+
 @atexit.register
 def _destroy_groups_at_exit() -> None:
     """Destroy every process group before the interpreter finalizes, when CO2 made groups of its own;

@@ -59,7 +59,7 @@ def short(tid):
     cls, name = tid.split("::", 1)
     parts = cls.split(".")
     mods = [i for i, p in enumerate(parts) if p.startswith("test_")]
-    keep = parts[mods[-1]:] if mods else parts[-1:]
+    keep = parts[mods[-1] :] if mods else parts[-1:]
     return f"{'.'.join(keep)}::{name}"
 
 
