@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from torch import nn
-from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
+from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer, train_local
 
 from co2_hf import CO2, CO2Config
 from co2_hf.core.comm import Pending
@@ -17,15 +17,6 @@ from co2_hf.core.wire import header_numel
 from co2_hf.testing import FakeCommunicator
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _train(model, co2, optimizer, steps, start=0):
-    for step in range(start, start + steps):
-        optimizer.zero_grad()
-        loss_on(model, 0, step).backward()
-        co2.average_gradients()
-        optimizer.step()
-        co2.step()
 
 
 def _engine(cfg=None, comm=None, **kw):
@@ -38,11 +29,11 @@ def _engine(cfg=None, comm=None, **kw):
 def test_overlapped_boundary_launches_without_waiting_and_waits_once_at_the_next():
     fake = FakeCommunicator()
     model, optimizer, co2 = _engine(comm=fake, co2_local_steps=2)
-    _train(model, co2, optimizer, 2)
+    train_local(model, co2, optimizer, 2)
     assert fake.events == ["launch"]  # round 0: nothing to wait for
-    _train(model, co2, optimizer, 1, start=2)
+    train_local(model, co2, optimizer, 1, start=2)
     assert fake.events == ["launch"]  # mid-round: no communication at all
-    _train(model, co2, optimizer, 1, start=3)
+    train_local(model, co2, optimizer, 1, start=3)
     assert fake.events == ["launch", "wait", "launch"]
     co2.finalize()
     assert fake.events == ["launch", "wait", "launch", "wait"]
@@ -51,7 +42,7 @@ def test_overlapped_boundary_launches_without_waiting_and_waits_once_at_the_next
 def test_synchronous_boundary_waits_right_after_launching():
     fake = FakeCommunicator()
     model, optimizer, co2 = _engine(comm=fake, co2_local_steps=2, co2_overlap=False)
-    _train(model, co2, optimizer, 4)
+    train_local(model, co2, optimizer, 4)
     assert fake.events == ["launch", "wait", "launch", "wait"]
 
 
@@ -68,9 +59,9 @@ def test_round_index_mismatch_raises():
 
     fake = FakeCommunicator(on_reduce=corrupt)
     model, optimizer, co2 = _engine(comm=fake, co2_local_steps=1)
-    _train(model, co2, optimizer, 1)
+    train_local(model, co2, optimizer, 1)
     with pytest.raises(RuntimeError, match="ranks out of step at round 0"):
-        _train(model, co2, optimizer, 1, start=1)
+        train_local(model, co2, optimizer, 1, start=1)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
@@ -118,7 +109,7 @@ def test_finalize_applies_the_partial_round_and_the_in_flight_average():
         assert torch.equal(model.state_dict()[name], value), name
     assert (co2.round, co2.round_step) == (0, 0)
     events = len(fake.events)
-    _train(model, co2, optimizer, 4, start=6)  # the next boundary has nothing to wait for
+    train_local(model, co2, optimizer, 4, start=6)  # the next boundary has nothing to wait for
     assert fake.events[events:] == ["launch"]
 
 
@@ -144,7 +135,7 @@ def test_one_worker_eager_rule_equals_local_training():
 
 def test_evaluation_on_the_anchor_copies_nothing_and_consumes_no_random_numbers():
     model, optimizer, co2 = _engine(co2_local_steps=3)
-    _train(model, co2, optimizer, 4)
+    train_local(model, co2, optimizer, 4)
     live = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     anchor = co2.anchor_state()
@@ -162,22 +153,22 @@ def test_evaluation_on_the_anchor_copies_nothing_and_consumes_no_random_numbers(
 
 def test_non_finite_worker_is_quarantined_and_repeated_failure_stops_training():
     model, optimizer, co2 = _engine(co2_local_steps=2, co2_max_skipped_rounds=2)
-    _train(model, co2, optimizer, 2)
+    train_local(model, co2, optimizer, 2)
     anchor = co2.anchor_state()["hidden.weight"].clone()
     with torch.no_grad():
         model.hidden.weight[0, 0] = float("nan")
-    _train(model, co2, optimizer, 2, start=2)  # boundary 1: this worker sends nothing
+    train_local(model, co2, optimizer, 2, start=2)  # boundary 1: this worker sends nothing
     assert torch.isfinite(model.hidden.weight).all()
     assert len(optimizer.state) == 0  # Adam moments were cleared
     with torch.no_grad():
         model.hidden.weight[0, 0] = float("inf")
-    _train(model, co2, optimizer, 2, start=4)  # boundary 2 receives round 1: no finite worker
+    train_local(model, co2, optimizer, 2, start=4)  # boundary 2 receives round 1: no finite worker
     assert co2.skipped_rounds == 1
     assert co2.pop_metrics()["co2/skipped_rounds"] == 1.0
     assert torch.isfinite(co2.anchor_state()["hidden.weight"]).all()
     del anchor
     with pytest.raises(RuntimeError, match="co2_max_skipped_rounds=2"):
-        _train(model, co2, optimizer, 2, start=6)
+        train_local(model, co2, optimizer, 2, start=6)
 
 
 def test_amp_skipped_steps_count_as_inner_steps():
@@ -191,7 +182,7 @@ def test_amp_skipped_steps_count_as_inner_steps():
 def test_metrics_after_rounds():
     slow = FakeCommunicator(delay_s=0.005)
     model, optimizer, co2 = _engine(comm=slow, co2_local_steps=2, co2_clip_threshold=1e-3)
-    _train(model, co2, optimizer, 6)
+    train_local(model, co2, optimizer, 6)
     metrics = co2.pop_metrics()
     for key in (
         "comm_wait_s",
@@ -225,7 +216,7 @@ def test_bfloat16_on_the_wire_keeps_fp32_state_and_stays_close():
     results = {}
     for dtype in ("float32", "bfloat16"):
         model, optimizer, co2 = _engine(co2_local_steps=2, co2_comm_dtype=dtype)
-        _train(model, co2, optimizer, 8)
+        train_local(model, co2, optimizer, 8)
         co2.finalize()
         assert co2._anchor.dtype == torch.float32
         results[dtype] = co2.anchor_state()["hidden.weight"].clone()
@@ -286,11 +277,11 @@ def test_state_dict_inside_the_overlap_window_resumes_bit_for_bit(window):
     """Saved one step into round 1, before the window applies round 0's average at step 2."""
     cfg = dict(co2_local_steps=4, co2_overlap_steps=window, co2_start_rule="eager", co2_outer_momentum=0.5)
     model, optimizer, co2 = _engine(**cfg)
-    _train(model, co2, optimizer, 12)
+    train_local(model, co2, optimizer, 12)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
 
     model, optimizer, co2 = _engine(**cfg)
-    _train(model, co2, optimizer, 5)
+    train_local(model, co2, optimizer, 5)
     saved = {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
         "optimizer": copy.deepcopy(optimizer.state_dict()),
@@ -300,7 +291,7 @@ def test_state_dict_inside_the_overlap_window_resumes_bit_for_bit(window):
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     co2.load_state_dict(saved["co2"])
-    _train(model, co2, optimizer, 7, start=5)
+    train_local(model, co2, optimizer, 7, start=5)
     for name, value in uninterrupted.items():
         assert torch.equal(model.state_dict()[name], value), name
 
@@ -319,7 +310,7 @@ def test_the_communicator_is_fixed_at_construction_and_a_wrapper_forwards_every_
         assert missing == [], wrapper
     delayed = DelayedCommunicator(FakeCommunicator(), delay_s=0.05)
     model, optimizer, co2 = _engine(comm=delayed, co2_local_steps=1, co2_overlap=False)
-    _train(model, co2, optimizer, 2)
+    train_local(model, co2, optimizer, 2)
     assert co2.last_comm_s >= 0.05 - 1e-9  # the fragments' all-reduces went through the delay
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from workers import SPEC_DEFAULTS, TinyNet, loss_on, make_optimizer
+from workers import SPEC_DEFAULTS, TinyNet, make_optimizer, train_local
 
 from co2_hf import CO2, CO2Config
 from co2_hf.config import HOSTING
@@ -21,14 +21,6 @@ def _engine(**settings):
     model = TinyNet(seed=0)
     optimizer = make_optimizer(model)
     return model, optimizer, CO2(model, CO2Config(**{**SPEC_DEFAULTS, "co2_local_steps": 3, **settings}), optimizer)
-
-
-def _train(model, co2, optimizer, steps, start=0):
-    for step in range(start, start + steps):
-        optimizer.zero_grad()
-        loss_on(model, 0, step).backward()
-        optimizer.step()
-        co2.step()
 
 
 @pytest.mark.parametrize(
@@ -73,16 +65,16 @@ def test_a_state_saved_before_the_hosting_settings_existed_loads_into_an_elastic
     """A state's config holds exactly the settings it held before these two were CO2Config fields:
     one saved then (or now, with co2_elastic=False) resumes under co2_elastic=True, bit for bit."""
     model, optimizer, co2 = _engine()
-    _train(model, co2, optimizer, 4)
+    train_local(model, co2, optimizer, 4)
     saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "co2": co2.state_dict()})
     assert set(saved["co2"]["config"]) == {f.name for f in dataclasses.fields(CO2Config)} - set(HOSTING)
-    _train(model, co2, optimizer, 5, start=4)
+    train_local(model, co2, optimizer, 5, start=4)
 
     model, optimizer, elastic = _engine(co2_elastic=True)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     elastic.load_state_dict(saved["co2"])
-    _train(model, elastic, optimizer, 5, start=4)
+    train_local(model, elastic, optimizer, 5, start=4)
     for name, value in co2.model.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
 

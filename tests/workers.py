@@ -42,6 +42,17 @@ def loss_on(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(tokens), target)
 
 
+def train_local(model: nn.Module, co2: CO2, optimizer: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    """``steps`` inner steps of rank 0's batches from step ``start``, each with CO2's gradient average
+    and step (the loop of a single-process engine test)."""
+    for step in range(start, start + steps):
+        optimizer.zero_grad()
+        loss_on(model, 0, step).backward()
+        co2.average_gradients()
+        optimizer.step()
+        co2.step()
+
+
 def make_optimizer(model: nn.Module, kind: str = "adam") -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "sgd":
