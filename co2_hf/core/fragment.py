@@ -103,7 +103,9 @@ class Fragment(FragmentState):
         # checkpoint always holds it); streaming fragments hold one only from their boundary until
         # their average is applied.
         self._keeps_buffer = plan.fragments == 1
-        self._link = WireLink(comm, self.codec, pool, layout.shard_numel, keep=self._keeps_buffer, config=config)
+        self._link = WireLink(
+            comm, self.codec, pool, layout.shard_numel, keep=self._keeps_buffer, timeout_s=config.co2_timeout_s
+        )
         # the codec's unsent progress that this worker keeps in its start (None: it keeps nothing of it)
         self._kept = None if self.codec is None else self.codec.kept_progress()
         host = dict(dtype=torch.float32, device=anchor.device, pin_memory=pin_memory)  # where the state lives

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from ..config import CO2Config
 from .codecs import Codec
 from .comm import Communicator, Pending
 from .tally import Seconds
@@ -142,13 +141,13 @@ class WireLink:
     """One fragment's outer all-reduce, round after round: its buffer (taken from the pool while the
     fragment needs one: `hold` / `release`), the all-reduce of it in flight (``pending``), launched
     through the communicator plain or coded by the fragment's codec (``codecs/``; None: the buffer
-    travels as it is), the wait for it bounded by the config's ``co2_timeout_s``, and its times:
+    travels as it is), the wait for it bounded by ``timeout_s`` (the config's ``co2_timeout_s``), and its times:
     ``last_wait`` (exposed), ``last_comm`` (launch to completion) and those since the last `comm_s` pop."""
 
     def __init__(
-        self, comm: Communicator, codec: Codec | None, pool: WirePool, numel: int, *, keep: bool, config: CO2Config
+        self, comm: Communicator, codec: Codec | None, pool: WirePool, numel: int, *, keep: bool, timeout_s: float
     ) -> None:
-        self.comm, self.codec, self.config = comm, codec, config
+        self.comm, self.codec, self.timeout_s = comm, codec, timeout_s
         self._pool, self._numel, self._keep = pool, numel, keep  # keep: hold the buffer all along
         self.buffer: WireBuffer | None = pool.acquire(numel) if keep else None
         self.pending: Pending | None = None
@@ -197,7 +196,7 @@ class WireLink:
         start = time.perf_counter()
         with record_function("co2/wait"):
             try:
-                self.comm.wait(pending, self.config.co2_timeout_s)
+                self.comm.wait(pending, self.timeout_s)
             except RuntimeError as error:
                 raise self._peer_failure(error, round_index) from error
         waited = pending.wait_time(since=start)  # CUDA: the compute stream's stall, read later (comm.py)
@@ -224,5 +223,5 @@ class WireLink:
     def _peer_failure(self, error: Exception, round_index: int) -> RuntimeError:
         return RuntimeError(
             f"CO2's outer all-reduce of round {round_index} failed or did not finish within "
-            f"co2_timeout_s={self.config.co2_timeout_s}s (a peer may have died or stalled): {error}"
+            f"co2_timeout_s={self.timeout_s}s (a peer may have died or stalled): {error}"
         )
