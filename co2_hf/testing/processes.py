@@ -43,27 +43,18 @@ def _entry(fn: Callable, rank: int, world: int, init_file: str, out_dir: str, ar
 
 def run_processes(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world, init_file, tmp, args), daemon=True)
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
+        procs = _start_ranks(mp.get_context("spawn"), _entry, fn, world, tmp, args)
         for p in procs:
             p.join(timeout_s)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
-        outputs = []
-        for rank in range(world):
-            path = os.path.join(tmp, f"rank{rank}.pt")
-            if not os.path.exists(path):
+        outputs = [_outcome(tmp, rank) for rank in range(world)]
+        for rank, output in enumerate(outputs):
+            if output is None:
                 raise RuntimeError(f"rank {rank} produced no result (hung ranks: {hung})")
-            outputs.append(torch.load(path, weights_only=False))
         errors = [f"rank {r}:\n{o['error']}" for r, o in enumerate(outputs) if not o["ok"]]
         if errors:
             raise RuntimeError("\n".join(errors))
@@ -113,13 +104,7 @@ def run_with_faults(
     ctx.set_forkserver_preload(list(preload))  # only the first call, which starts the server, counts
     waited = set(range(world) if wait_for is None else wait_for)
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_entry_with_faults, args=(fn, rank, world, init_file, tmp, args), daemon=True)
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
+        procs = _start_ranks(ctx, _entry_with_faults, fn, world, tmp, args)
         deadline = time.monotonic() + timeout_s
         for rank in sorted(waited):
             procs[rank].join(max(deadline - time.monotonic(), 0.0))
@@ -127,8 +112,24 @@ def run_with_faults(
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join()
-        outcomes: list[dict[str, Any] | None] = []
-        for rank in range(world):
-            path = os.path.join(tmp, f"rank{rank}.pt")
-            outcomes.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-        return outcomes
+        return [_outcome(tmp, rank) for rank in range(world)]
+
+
+def _start_ranks(ctx: Any, entry: Callable, fn: Callable, world: int, tmp: str, args: tuple) -> list:
+    """``world`` started processes of ``ctx`` running ``entry`` for ``fn``, joined by a ``file://``
+    rendezvous in ``tmp``, where each writes its outcome (`_outcome`)."""
+    init_file = os.path.join(tmp, "rendezvous")
+    procs = [
+        ctx.Process(target=entry, args=(fn, rank, world, init_file, tmp, args), daemon=True) for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _outcome(tmp: str, rank: int) -> dict[str, Any] | None:
+    """What rank ``rank`` wrote (``{"ok": ..., "result" or "error": ...}``), or None: it wrote nothing.
+    Read as any file is, without unpickling arbitrary objects: a rank's result is made of tensors,
+    numbers, strings and containers."""
+    path = os.path.join(tmp, f"rank{rank}.pt")
+    return torch.load(path, weights_only=True) if os.path.exists(path) else None
