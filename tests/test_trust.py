@@ -421,37 +421,96 @@ def test_metrics_mean_the_same_at_any_logging_interval(every):
         assert metrics["co2/comm_wait_s"] >= 0.0  # real sleeps: their length depends on the machine's load
 
 
-def test_two_trainer_runs_sharing_an_output_dir_leave_each_others_checkpoints_alone(tmp_path):
-    """Run B starts and saves (checkpoint-2, then -4) while run A is in the middle of its save of
-    checkpoint-8, into the same output_dir: B's save used to clear A's staged checkpoint-8 (A then
-    died: "was not published by rank 0: No such file or directory") and replace A's checkpoint-4. Now
-    B leaves A's save alone and is refused at checkpoint-4 naming both runs, and A finishes; a resume
-    of A continues run A, and may save over its checkpoints."""
+def _trainer_run(tmp_path, steps: int, every: int, **overrides):
     from trainer_workers import dataset, make_args, tiny_gpt2
 
     from co2_hf import CO2Trainer
 
-    def run(steps: int, every: int) -> CO2Trainer:
-        args = make_args(str(tmp_path), max_steps=steps, save_strategy="steps", save_steps=every)
-        return CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64))
+    args = make_args(str(tmp_path), max_steps=steps, save_strategy="steps", save_steps=every, **overrides)
+    return CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(64))
 
-    a, b, refused = run(8, every=4), run(4, every=2), []
+
+def test_a_second_live_run_in_an_output_dir_is_refused_before_it_trains_naming_the_first(tmp_path):
+    """Run B starts while run A is saving checkpoint-8 into the same output_dir: B is refused at
+    once (before training, naming A), A's save and checkpoints are untouched; a resume of A
+    continues run A and may save over its checkpoints."""
+    a, b, refused = _trainer_run(tmp_path, 8, every=4), _trainer_run(tmp_path, 4, every=2), []
     save_rank_file = a._save_rank_file
 
-    def b_saves_meanwhile(staging: str) -> None:
+    def b_starts_meanwhile(staging: str) -> None:
         if a.state.global_step == 8:
             with pytest.raises(ValueError) as info:
                 b.train()
-            refused.append(str(info.value))
+            refused.append((str(info.value), b.state.global_step))
         save_rank_file(staging)
 
-    a._save_rank_file = b_saves_meanwhile
-    a.train()  # publishes checkpoint-8 although B saved in the middle of it
+    a._save_rank_file = b_starts_meanwhile
+    a.train()  # publishes checkpoint-8 although B tried to start in the middle of it
     run_a = read_manifest(str(tmp_path / "checkpoint-4"))["run"]
     assert read_manifest(str(tmp_path / "checkpoint-8"))["run"] == run_a
-    assert refused and f"checkpoint-4: it is a checkpoint of another run (run {run_a}, step 4)" in refused[0]
-    assert f"and this is run {b._co2_run}" in refused[0] and b._co2_run != run_a
-    assert read_manifest(str(tmp_path / "checkpoint-2"))["run"] == b._co2_run
-    resumed = run(8, every=4)
+    message, b_steps = refused[0]
+    assert f"another run is training into it now (run {run_a}, host " in message and b_steps == 0
+    assert f"(this is run {b._co2_run})" in message and "own output_dir" in message
+    assert sorted(os.listdir(tmp_path)) == ["_co2_lease", "checkpoint-4", "checkpoint-8"]
+    resumed = _trainer_run(tmp_path, 8, every=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # saves checkpoint-8 again
     assert resumed._co2_run == run_a and not (tmp_path / publish.STAGING_DIR).exists()
+
+
+def test_a_rerun_into_a_finished_runs_folder_replaces_its_checkpoints_as_the_trainer_does(tmp_path, caplog):
+    """transformers' own tests train twice into one folder (``test_trainer_with_datasets``, ...): the
+    second run's first save used to fail ("it is a checkpoint of another run"). Now it replaces the
+    earlier run's checkpoint, and one WARNING at the start names the earlier run."""
+    first = _trainer_run(tmp_path, 4, every=2)
+    first.train()
+    earlier = read_manifest(str(tmp_path / "checkpoint-4"))["run"]
+    rerun = _trainer_run(tmp_path, 4, every=2)
+    with caplog.at_level(logging.WARNING, logger="co2_hf"):
+        rerun.train()
+    assert rerun._co2_run != earlier
+    assert {read_manifest(str(tmp_path / f"checkpoint-{s}"))["run"] for s in (2, 4)} == {rerun._co2_run}
+    named = [r.message for r in caplog.records if "holds checkpoints of earlier runs" in r.message]
+    assert len(named) == 1 and f"run {earlier}: checkpoint-2, checkpoint-4" in named[0]
+
+
+def test_rotation_deletes_only_its_own_runs_checkpoints(tmp_path):
+    """A run with save_total_limit=1 beside an earlier run's checkpoints: the Trainer's rotation
+    (oldest first, whoever wrote them) used to delete the other run's checkpoint-4 and -8 too."""
+    _trainer_run(tmp_path, 8, every=4).train()
+    earlier = read_manifest(str(tmp_path / "checkpoint-4"))["run"]
+    (tmp_path / "checkpoint-5").mkdir()  # a folder CO2 did not write: never deleted either
+    limited = _trainer_run(tmp_path, 6, every=3, save_total_limit=1)
+    limited.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        "checkpoint-4",
+        "checkpoint-5",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    assert read_manifest(str(tmp_path / "checkpoint-8"))["run"] == earlier
+    assert read_manifest(str(tmp_path / "checkpoint-6"))["run"] == limited._co2_run
+
+
+def test_the_lease_excludes_a_live_process_and_a_dead_ones_lease_is_free(tmp_path):
+    """The lease is the kernel's lock: another process holding it refuses this one, naming it; once
+    that process is killed (SIGKILL: no clean-up of its own) the folder is free again."""
+    import subprocess
+    import sys
+
+    from co2_hf.checkpoints import lease
+
+    holder = (
+        "import sys, time; from co2_hf.checkpoints import lease; "
+        f"held = lease.take({str(tmp_path)!r}, run='aaaaaaaaaaaaaaaa'); print('held', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"run aaaaaaaaaaaaaaaa, host \S+, pid {proc.pid}, since "):
+            lease.take(str(tmp_path), run="bbbbbbbbbbbbbbbb")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    held = lease.take(str(tmp_path), run="bbbbbbbbbbbbbbbb")
+    assert held is not None and json.loads((tmp_path / lease.LEASE_FILE).read_text())["run"] == "bbbbbbbbbbbbbbbb"
+    held.release()

@@ -27,7 +27,9 @@ cleared.
 Runs. A run is a training run across its launches: a random id (`new_run_id`), which a resume takes
 over from the checkpoint it resumes (the manifest records it). Two runs that share a folder leave
 each other alone: each clears only its own killed saves (another run's save in progress is never
-touched), and neither publishes over a checkpoint the other wrote (refused, naming both runs).
+touched), and neither publishes over a checkpoint the other wrote (refused, naming both runs),
+unless the saving run holds the folder's lease (``lease.py``: ``sole_run``), which proves the other
+is no longer alive: a rerun into a folder replaces the checkpoints it saves over, as the Trainer's.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def begin_save(final_dir: str, *, rank: int, leader: int, run: str, leftovers: str | None = None) -> str:
+def begin_save(
+    final_dir: str, *, rank: int, leader: int, run: str, leftovers: str | None = None, sole_run: bool = False
+) -> str:
     """Check the target, clear this run's leftovers, stage; return the folder every rank writes into.
 
     Collective. ``leader``: the rank that publishes this rank's copy (see the module docstring).
@@ -69,7 +73,7 @@ def begin_save(final_dir: str, *, rank: int, leader: int, run: str, leftovers: s
     outcome: tuple[str, str]
     if rank == leader:
         try:
-            check_replaceable(final_dir, run=run)
+            check_replaceable(final_dir, run=run, sole_run=sole_run)
             area = os.path.join(parent, STAGING_DIR)
             _clear_leftovers(area, leftovers or glob_escape(name), run=run)
             staging = os.path.join(area, f"{name}.{run}.{new_run_id()}", name)
@@ -145,9 +149,10 @@ def _cannot_stage(final_dir: str, parent: str, error: OSError) -> str:
     )
 
 
-def check_replaceable(final_dir: str, *, run: str) -> None:
+def check_replaceable(final_dir: str, *, run: str, sole_run: bool = False) -> None:
     """Refuse a target that publishing would replace with loss: anything but nothing, an empty
-    folder, or a CO2 checkpoint of run ``run`` whose files are all listed in its manifest."""
+    folder, or a CO2 checkpoint whose files are all listed in its manifest, of run ``run`` (or, with
+    ``sole_run``, of a run that is no longer alive: a rerun replaces it, as the Trainer does)."""
     if not os.path.lexists(final_dir):
         return
     if os.path.islink(final_dir) or not os.path.isdir(final_dir):
@@ -174,7 +179,7 @@ def check_replaceable(final_dir: str, *, run: str) -> None:
             "checkpoint is published by replacing the whole folder. Save into a new or empty folder, or "
             "move those files out"
         )
-    if manifest.get("run") != run:
+    if manifest.get("run") != run and not sole_run:
         raise ValueError(_another_runs(final_dir, manifest, run))
 
 
@@ -214,11 +219,20 @@ def glob_escape(name: str) -> str:
 
 
 def publish(
-    staging: str, final_dir: str, *, rank: int, leader: int, world_size: int, step: int, own: str, run: str
+    staging: str,
+    final_dir: str,
+    *,
+    rank: int,
+    leader: int,
+    world_size: int,
+    step: int,
+    own: str,
+    run: str,
+    sole_run: bool = False,
 ) -> None:
     """Make a fully written staging folder visible as ``final_dir``; collective (module docstring).
     ``own``: the name of the file this rank wrote and hashes itself (absent: nothing to report);
-    ``run``: the run `begin_save` staged it for."""
+    ``run``, ``sole_run``: as `begin_save` staged it."""
     path = os.path.join(staging, own)
     mine = {"rank": rank, "leader": leader, "files": {}}
     if os.path.exists(path):
@@ -230,7 +244,7 @@ def publish(
         try:
             ranks = [r for r in reports if r["leader"] == rank]
             write_manifest(staging, ranks, world_size=world_size, step=step, run=run)
-            _rename(staging, final_dir, run=run)
+            _rename(staging, final_dir, run=run, sole_run=sole_run)
         except (OSError, ValueError) as error:
             outcome = f"CO2: the checkpoint {final_dir} was not published by rank {rank}: {error}"
     failures = [o for o in all_gather(outcome) if o != "ok"]
@@ -238,11 +252,12 @@ def publish(
         raise RuntimeError(failures[0])
 
 
-def _rename(staging: str, final_dir: str, *, run: str) -> None:
+def _rename(staging: str, final_dir: str, *, run: str, sole_run: bool) -> None:
     """``staging`` -> ``final_dir``. A checkpoint of this run already there (a re-save of the same
     step) is moved aside first and removed after: between the two renames only the older checkpoints
     exist."""
-    check_replaceable(final_dir, run=run)  # again: the folder may have changed (another run published)
+    # again: the folder may have changed (another run published)
+    check_replaceable(final_dir, run=run, sole_run=sole_run)
     token_dir = os.path.dirname(staging)
     replaced = None
     if os.path.lexists(final_dir):

@@ -52,20 +52,29 @@ def save_leader(rank: int, local_rank: int, *, per_node: bool) -> int:
 
 @contextlib.contextmanager
 def saving(
-    final_dir: str, *, rank: int, leader: int, run: str, world_size: int, step: int, leftovers: str | None = None
+    final_dir: str,
+    *,
+    rank: int,
+    leader: int,
+    run: str,
+    world_size: int,
+    step: int,
+    leftovers: str | None = None,
+    sole_run: bool = False,
 ) -> Iterator[str]:
     """One save of a CO2 checkpoint, as the Trainer and Accelerate both make it; collective.
 
     Yields the staging folder (`publish.begin_save`) into which the block writes the framework's
     files and this rank's (`save_rank_state`); a full disk there says so (`publish.writing`). When
     the block ends without an error the folder is published as ``final_dir`` with its manifest
-    (`publish.publish`); after one, nothing is.
+    (`publish.publish`); after one, nothing is. ``sole_run``: see `publish.begin_save`.
     """
-    staging = publish.begin_save(final_dir, rank=rank, leader=leader, run=run, leftovers=leftovers)
+    staging = publish.begin_save(final_dir, rank=rank, leader=leader, run=run, leftovers=leftovers, sole_run=sole_run)
     with publish.writing(final_dir, staging):
         yield staging
     own = RANK_FILE.format(rank=rank)
-    publish.publish(staging, final_dir, rank=rank, leader=leader, world_size=world_size, step=step, own=own, run=run)
+    ran = dict(world_size=world_size, step=step, own=own, run=run, sole_run=sole_run)
+    publish.publish(staging, final_dir, rank=rank, leader=leader, **ran)
 
 
 def save_rank_state(

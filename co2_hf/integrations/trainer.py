@@ -25,6 +25,9 @@ What CO2Trainer changes, each a few lines around ``super()``:
   rank's files are on disk and listed in its manifest, so a save killed halfway is never resumed
   from, and the Trainer's rotation and Hub push only ever see published folders (`_save_checkpoint`,
   ``checkpoints/publish.py``); nothing in a checkpoint is unpickled on resume (``checkpoints/rank_files.py``);
+- while it trains the run holds its ``output_dir``'s lease, so a second live run there is refused before
+  it trains, a finished run's checkpoints are replaced as the Trainer replaces them, and rotation
+  deletes only this run's own (`train`, ``checkpoints/lease.py``);
 - with ``load_best_model_at_end`` the best checkpoint's model becomes the anchor (`_load_best_model`);
 - ``ddp_timeout`` follows ``co2_timeout_s`` unless set, and is applied to the default group even
   where Accelerate does not pass it on (CPU), so a dead peer stops every rank (`_follow_ddp_timeout`);
@@ -102,6 +105,7 @@ class CO2Trainer(CheckpointOverrides, ReplicaOverrides, Trainer):
         self._co2_verified: str | None = None  # the checkpoint whose checksums `_check_resumable` verified
         self._co2_sources: list[int] | None = None  # the saved ranks it read, after a change of world
         self._co2_run: str | None = None  # this run's id (publish.py, "Runs"): a resume takes its checkpoint's
+        self._co2_sole_run = False  # while training: the only live run in output_dir (its lease held)
         self._warned_local_gathers = False
         torchft = self.co2_config is not None and self.co2_config.co2_fault_tolerance == "torchft"
         self._replica = fault_tolerance.Replica(self) if torchft else None  # this replica group, on torchft
@@ -161,7 +165,10 @@ class CO2Trainer(CheckpointOverrides, ReplicaOverrides, Trainer):
                 raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: no such folder")
             if resume_from_checkpoint is not True:
                 self._check_resumable(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        if self.co2_config is None:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        with self._training_alone_in_output_dir():
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         # the Trainer's one place where the optimizer is made, the model prepared and a checkpoint's

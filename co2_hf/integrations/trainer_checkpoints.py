@@ -17,13 +17,15 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
-from ..checkpoints import agreement, config_file, elastic, publish, rank_files
-from ..checkpoints.manifest import manifest_digest
+from ..checkpoints import agreement, config_file, elastic, lease, publish, rank_files
+from ..checkpoints.manifest import MANIFEST_FILE, manifest_digest, saved_run
 
 # the save strategies under which the Trainer looks up the best checkpoint at each save
 SAVES_BY_SCHEDULE = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
@@ -57,6 +59,58 @@ class CheckpointOverrides:
         step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
         rank_files.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
         return sources, step, manifest_digest(directory), manifest.get("run")
+
+    @contextlib.contextmanager
+    def _training_alone_in_output_dir(self):
+        """Around ``train``: this run holds its output_dir's lease (``checkpoints/lease.py``), so a
+        second live run there is refused before either trains on, on every rank; a finished or dead
+        run's checkpoints are then this run's to replace, as with the Trainer (one WARNING names them)."""
+        args = self.args
+        self._co2_run = self._co2_run or agreement.all_gather(publish.new_run_id())[0]  # rank 0's, everywhere
+        holder = args.process_index == 0 and (self._replica is None or self._replica.saves)
+        held, outcome = None, ("none", "")
+        if holder:
+            try:
+                held = lease.take(args.output_dir, run=self._co2_run)
+                outcome = ("held", "") if held is not None else ("unlocked", "")
+            except ValueError as error:
+                outcome = ("refused", str(error))
+        status, message = agreement.all_gather(outcome)[0]
+        if status == "refused":
+            raise ValueError(message)
+        if holder:
+            self._warn_shared_folder(args.output_dir, locked=status == "held")
+        self._co2_sole_run = True
+        try:
+            yield
+        finally:
+            self._co2_sole_run = False
+            if held is not None:
+                held.release()
+
+    def _warn_shared_folder(self, folder: str, *, locked: bool) -> None:
+        """One WARNING for what this run will find in its folder: checkpoints of earlier runs (replaced
+        where it saves over them, never rotated), folders CO2 did not write, no lock to hold."""
+        earlier, foreign = _earlier_checkpoints(folder, run=self._co2_run)
+        notes = []
+        if not locked:
+            notes.append(
+                f"the filesystem of {folder} does not lock files, so CO2 cannot tell a live run there from a "
+                "finished one: start one run per output_dir"
+            )
+        if earlier:
+            runs = "; ".join(f"run {run}: {', '.join(names)}" for run, names in earlier.items())
+            notes.append(
+                f"{folder} holds checkpoints of earlier runs ({runs}); this run (run {self._co2_run}) replaces "
+                "those it saves over, as the Trainer does, and its rotation (save_total_limit) deletes only its own"
+            )
+        if foreign:
+            notes.append(
+                f"{folder} holds checkpoint folders CO2 did not write ({', '.join(foreign)}): a save onto one of "
+                "those names is refused, as CO2 never deletes what it did not write"
+            )
+        if notes:
+            logger.warning("CO2: %s.", ". ".join(notes))
 
     def _save_leader(self) -> int:
         """This rank's `rank_files.save_leader` (``save_on_each_node``: each node publishes its own copy)."""
@@ -110,6 +164,7 @@ class CheckpointOverrides:
         self._co2_run = run = self._co2_run or publish.new_run_id()
         # this run's own staged checkpoints (killed saves) are cleared: nothing else in run_dir is
         ran = dict(world_size=args.world_size, step=self.state.global_step, leftovers=f"{PREFIX_CHECKPOINT_DIR}-*")
+        ran.update(sole_run=self._co2_sole_run)  # `_training_alone_in_output_dir`
         with rank_files.saving(final, rank=rank, leader=leader, run=run, **ran) as staging:
             with self._saving_into(os.path.dirname(staging)):
                 super()._save_checkpoint(model, trial)
@@ -129,15 +184,12 @@ class CheckpointOverrides:
             )
 
     def _rotate_and_push(self, run_dir: str, final: str) -> None:
-        """What the Trainer's ``_save_checkpoint`` ends with, the same calls, on the published folder
-        (inside the staging area its rotation saw one folder, and its push was held)."""
+        """What the Trainer's ``_save_checkpoint`` ends with, on the published folder (inside the
+        staging area its rotation saw one folder, and its push was held): its push as it is, its
+        rotation over this run's own checkpoints only (`rotate_own_checkpoints`)."""
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            best = self.state.best_model_checkpoint
+            rotate_own_checkpoints(run_dir, run=self._co2_run, limit=self.args.save_total_limit, best=best)
         if self.args.push_to_hub:
             self._push_from_checkpoint(final)
 
@@ -225,6 +277,41 @@ class CheckpointOverrides:
             step=self.state.global_step,
             log=logger.warning if self.is_world_process_zero() else logger.info,
         )
+
+
+def rotate_own_checkpoints(run_dir: str, *, run: str, limit: int | None, best: str | None) -> None:
+    """The Trainer's rotation (``transformers.trainer_utils.rotate_checkpoints``: oldest first by
+    modification time, the newest and the best kept) over the checkpoints of run ``run`` only: another
+    run's, live or finished, and folders CO2 did not write are never deleted (``publish.py``, "Runs")."""
+    if limit is None or limit <= 0:
+        return
+    ours = [path for path in sort_checkpoints(run_dir, use_mtime=True) if _run_of(path) == run]
+    if len(ours) <= limit:
+        return
+    protected = {ours[-1]} | ({str(Path(best))} if best is not None else set())
+    excess = len(ours) - max(limit, len(protected))
+    for path in [path for path in ours if path not in protected][: max(excess, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_of(path: str) -> str | None:
+    try:
+        return saved_run(path)
+    except ValueError:  # a damaged manifest: not known to be this run's, so never deleted
+        return None
+
+
+def _earlier_checkpoints(folder: str, *, run: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The ``checkpoint-*`` folders in ``folder`` another run saved (by run), and those CO2 did not write."""
+    earlier: dict[str, list[str]] = {}
+    foreign: list[str] = []
+    for path in sort_checkpoints(folder) if os.path.isdir(folder) else []:
+        owner, name = _run_of(path), os.path.basename(path)
+        if not os.path.lexists(os.path.join(path, MANIFEST_FILE)):
+            foreign.append(name)
+        elif owner != run:
+            earlier.setdefault(owner or "not recorded", []).append(name)
+    return earlier, foreign
 
 
 def _saved_step(directory: str) -> int | None:
