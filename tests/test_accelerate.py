@@ -364,3 +364,39 @@ def test_refusals_reach_every_rank_at_once(refusals):
         assert "from different steps (rank 0: step 6, rank 1: step 7)" in refused["different_steps"], rank
         assert "save_state after its with block" in refused["save_after_the_block"], rank
     assert os.listdir(root / "users") == ["notes.txt"]
+
+
+@pytest.mark.timeout(90)
+def test_a_rerun_replaces_a_finished_runs_save_and_a_live_run_saving_there_is_refused(tmp_path, monkeypatch):
+    """As ``accelerator.save_state`` does, a rerun of a script saves over the folder a finished run
+    left (it used to be refused: "a checkpoint of another run"); while a run is alive (its block
+    open), another run's save beside it is refused, naming the live run."""
+    from accelerate import Accelerator
+    from trainer_workers import tiny_gpt2
+
+    from co2_hf import CO2Accelerate, CO2Config
+    from co2_hf.checkpoints.manifest import read_manifest
+
+    monkeypatch.chdir(tmp_path)
+
+    def run() -> tuple[CO2Accelerate, torch.nn.Module, torch.optim.Optimizer]:
+        accelerator, model = Accelerator(cpu=True), tiny_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_local_steps=2)), model, optimizer
+
+    first, model, optimizer = run()
+    with first:
+        _one_step(model, optimizer, first)
+        first.step()
+        first.save_state("ckpt")
+    rerun, model, optimizer = run()
+    with rerun:
+        rerun.save_state("ckpt")
+        assert read_manifest("ckpt")["run"] == rerun._checkpoints.run != first._checkpoints.run
+        beside, _, _ = run()
+        with (
+            beside,
+            pytest.raises(ValueError, match=f"another run is training into it now \\(run {rerun._checkpoints.run}"),
+        ):
+            beside.save_state("other")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

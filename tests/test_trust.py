@@ -451,7 +451,7 @@ def test_a_second_live_run_in_an_output_dir_is_refused_before_it_trains_naming_t
     message, b_steps = refused[0]
     assert f"another run is training into it now (run {run_a}, host " in message and b_steps == 0
     assert f"(this is run {b._co2_run})" in message and "own output_dir" in message
-    assert sorted(os.listdir(tmp_path)) == ["_co2_lease", "checkpoint-4", "checkpoint-8"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8"]  # the lease went with A
     resumed = _trainer_run(tmp_path, 8, every=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # saves checkpoint-8 again
     assert resumed._co2_run == run_a and not (tmp_path / publish.STAGING_DIR).exists()
@@ -511,6 +511,7 @@ def test_the_lease_excludes_a_live_process_and_a_dead_ones_lease_is_free(tmp_pat
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    held = lease.take(str(tmp_path), run="bbbbbbbbbbbbbbbb")
+    held = lease.take(str(tmp_path), run="bbbbbbbbbbbbbbbb")  # the killed holder's file, reused
     assert held is not None and json.loads((tmp_path / lease.LEASE_FILE).read_text())["run"] == "bbbbbbbbbbbbbbbb"
     held.release()
+    assert not (tmp_path / lease.LEASE_FILE).exists()

@@ -15,13 +15,16 @@ by default). Filesystems that do not lock (some FUSE mounts, Lustre mounted with
 answer ``ENOLCK``/``ENOSYS``/``EOPNOTSUPP``: `take` then returns None and the caller says, once,
 that live runs in that folder are not kept apart there.
 
-The lease file stays in the folder after the run (removing a lock file races with a run opening
-it); its leading "_" keeps it out of the Trainer's Hub uploads and it does not match
-``checkpoint-*``. It records the holder (run, host, process, start time) for the refusal's message.
+The lease file records the holder (run, host, process, start time) for the refusal's message; its
+leading "_" keeps it out of the Trainer's Hub uploads and it does not match ``checkpoint-*``. The
+holder removes it when it ends cleanly (a killed one leaves it, to be reused). Removing a lock file
+races with a process that opened it just before: so a taker checks, once locked, that the path
+still names the file it locked, and starts over if not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -29,8 +32,11 @@ import os
 import socket
 import time
 
+from .agreement import all_gather
+
 LEASE_FILE = "_co2_lease"
 _HOLDER_BYTES = 4096  # what the holder's record can need: a run id, a host name, a pid and a time
+_ATTEMPTS = 5  # a lease file removed under a taker this often in a row: something else is at work
 _NO_LOCKING = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -42,9 +48,14 @@ class Lease:
         self._fd: int | None = fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the lock
-            self._fd = None
+        """Remove the file (while still locked, so no one holds it meanwhile) and drop the lock."""
+        if self._fd is None:
+            return
+        if _names(self.path, self._fd):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(self._fd)  # closing the descriptor drops the lock
+        self._fd = None
 
 
 def take(folder: str, *, run: str) -> Lease | None:
@@ -52,6 +63,33 @@ def take(folder: str, *, run: str) -> Lease | None:
     docstring). Raises ``ValueError`` naming the live run that holds it, and how to go on."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LEASE_FILE)
+    for _ in range(_ATTEMPTS):
+        fd = _lock(path, folder, run)
+        if fd is None or _names(path, fd):
+            break
+        os.close(fd)  # the holder removed it as we locked it: lock the file now at that path
+    else:
+        raise ValueError(f"CO2 cannot take the lease {path}: it was replaced {_ATTEMPTS} times while being locked")
+    if fd is None:
+        return None
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    record = {"run": run, "host": socket.gethostname(), "pid": os.getpid(), "since": since}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return Lease(path, fd)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock(path: str, folder: str, run: str) -> int | None:
+    """The locked descriptor of ``path``; None where the filesystem does not lock."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:
@@ -67,11 +105,27 @@ def take(folder: str, *, run: str) -> Lease | None:
         if error.errno in _NO_LOCKING:
             return None
         raise ValueError(f"CO2 cannot lock {path}: {error}") from None
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
-    record = {"run": run, "host": socket.gethostname(), "pid": os.getpid(), "since": since}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    return Lease(path, fd)
+    return fd
+
+
+def hold(folder: str, *, run: str, holder: bool) -> tuple[Lease | None, bool]:
+    """`take` on the rank that holds the lease (``holder``), its outcome on every rank; collective.
+    Returns the lease (None on the other ranks) and whether the filesystem locks; raises the
+    holder's ``ValueError`` on every rank."""
+    held, outcome = None, ("none", "")
+    if holder:
+        try:
+            held = take(folder, run=run)
+            outcome = ("held", "") if held is not None else ("unlocked", "")
+        except ValueError as error:
+            outcome = ("refused", str(error))
+    statuses = [status for status in all_gather(outcome) if status[0] != "none"]
+    refused = [message for status, message in statuses if status == "refused"]
+    if refused:
+        if held is not None:
+            held.release()
+        raise ValueError(refused[0])
+    return held, all(status == "held" for status, _ in statuses)
 
 
 def _holder(fd: int) -> dict[str, object]:

@@ -4,7 +4,9 @@ and ``load_state`` (``accelerate.py``) hand over to `AccelerateCheckpoints`.
 Saving wraps ``accelerator.save_state``: a save hook puts the anchor in the model file and makes every
 rank write its own ``co2_rank{r}.pt`` (local parameters, inner optimizer, scaler, CO2 state), and the
 folder appears only once complete, with a manifest of sizes and checksums (`rank_files.saving`, as
-the Trainer saves); a folder holding other files is refused, never replaced. Loading checks the
+the Trainer saves); a folder holding other files is refused, never replaced. From its first save into
+a folder until the block ends the run holds that folder's lease (``checkpoints/lease.py``): a finished
+run's checkpoints there are replaced, a live run's are refused. Loading checks the
 folder on every rank before anything is read (refusing a missing, truncated, corrupted or unlisted
 file by name), runs ``accelerator.load_state``, then restores this rank's own file, read with
 ``weights_only=True``. Nothing is registered with ``accelerator.register_for_checkpointing``:
@@ -18,13 +20,16 @@ and ``load_state``). A plain ``accelerator.save_state`` inside the block writes 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from typing import Any
 
 import torch
 
-from ..checkpoints import agreement, manifest, publish, rank_files
+from ..checkpoints import agreement, lease, manifest, publish, rank_files
 from ..core import CO2
+
+logger = logging.getLogger("co2_hf.integrations.accelerate")
 
 
 class AccelerateCheckpoints:
@@ -36,6 +41,7 @@ class AccelerateCheckpoints:
         self.run: str | None = None  # this run's id (publish.py, "Runs"): `load` takes its folder's
         self._loading: str | None = None  # the folder `load` is loading, checked already
         self._skipped_loads: _SkippedLoads | None = None
+        self._leases: dict[str, lease.Lease | None] = {}  # folder saved into -> its lease (`_hold`)
         # No object registered for accelerate's checkpointing: accelerate unpickles those with
         # full pickles (weights_only off). This rank's state comes back in `load`, after theirs.
         self._hooks = [
@@ -46,6 +52,10 @@ class AccelerateCheckpoints:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        for held in self._leases.values():
+            if held is not None:
+                held.release()
+        self._leases.clear()
 
     def save(self, output_dir: str, **kwargs: Any) -> None:
         """``accelerator.save_state`` into a staging folder, published as ``output_dir`` once every
@@ -61,9 +71,26 @@ class AccelerateCheckpoints:
         rank = accelerator.process_index
         leader = rank_files.save_leader(rank, accelerator.local_process_index, per_node=project.save_on_each_node)
         self.run = run = self.run or publish.new_run_id()
-        world, step = accelerator.num_processes, self.co2.inner_steps
-        with rank_files.saving(output_dir, rank=rank, leader=leader, run=run, world_size=world, step=step) as staging:
+        self._hold(os.path.dirname(os.path.abspath(output_dir)))
+        ran = dict(world_size=accelerator.num_processes, step=self.co2.inner_steps, sole_run=True)
+        with rank_files.saving(output_dir, rank=rank, leader=leader, run=run, **ran) as staging:
             accelerator.save_state(staging, **kwargs)
+
+    def _hold(self, parent: str) -> None:
+        """The lease on the folder this run saves into (``checkpoints/lease.py``), from its first save
+        there until the block ends: another live run saving there is refused, naming it; a finished
+        run's folders there are this run's to replace, as ``accelerator.save_state`` replaces them."""
+        if parent in self._leases:
+            return
+        rank = self.accelerator.process_index
+        self._leases[parent], locked = lease.hold(parent, run=self.run, holder=rank == 0)
+        if not locked and rank == 0:
+            logger.warning(
+                "CO2Accelerate: the filesystem of %s does not lock files, so CO2 cannot tell a live run saving "
+                "there from a finished one: it replaces their folders as accelerator.save_state does. Start one "
+                "run per folder",
+                parent,
+            )
 
     def load(self, input_dir: str, **kwargs: Any) -> None:
         """The folder checked on every rank, ``accelerator.load_state``, then this rank's own file;

@@ -68,18 +68,9 @@ class CheckpointOverrides:
         args = self.args
         self._co2_run = self._co2_run or agreement.all_gather(publish.new_run_id())[0]  # rank 0's, everywhere
         holder = args.process_index == 0 and (self._replica is None or self._replica.saves)
-        held, outcome = None, ("none", "")
+        held, locked = lease.hold(args.output_dir, run=self._co2_run, holder=holder)
         if holder:
-            try:
-                held = lease.take(args.output_dir, run=self._co2_run)
-                outcome = ("held", "") if held is not None else ("unlocked", "")
-            except ValueError as error:
-                outcome = ("refused", str(error))
-        status, message = agreement.all_gather(outcome)[0]
-        if status == "refused":
-            raise ValueError(message)
-        if holder:
-            self._warn_shared_folder(args.output_dir, locked=status == "held")
+            self._warn_shared_folder(args.output_dir, locked=locked)
         self._co2_sole_run = True
         try:
             yield
