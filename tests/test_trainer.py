@@ -510,3 +510,18 @@ def test_a_best_checkpoint_saved_before_the_evaluation_that_made_it_best_is_reco
     assert trainer.state.best_global_step == 4
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-4"]  # kept
+
+
+@pytest.mark.timeout(180)
+def test_a_state_that_cannot_be_applied_on_one_rank_fails_every_rank_with_one_message(tmp_path):
+    """Rank 1's ``co2`` state emptied (the structure intact, the manifest rehashed), then its RNG
+    file replaced: rank 1 alone used to fail mid-restore while rank 0 trained on and died later as
+    "a peer may have died". Now both ranks fail at once, before any step, naming the same cause."""
+    from trainer_workers import unappliable_resumes
+
+    ranks = run_processes(unappliable_resumes, 2, str(tmp_path), timeout_s=170)
+    for tamper, cause in (("co2_state", "co2_rank1.pt"), ("rng_state", "rank 1's RNG state")):
+        (own, own_step), (peer, peer_step) = ranks[1][tamper], ranks[0][tamper]
+        assert own_step == peer_step == 4, (tamper, own, peer)  # the checkpoint's step: no step trained
+        assert peer == f"rank 1 refused the checkpoint: {own}", (tamper, own, peer)
+        assert f"checkpoint {tmp_path}/{tamper}: " in own and cause in own, own

@@ -295,3 +295,38 @@ def resumed_on_another_world(rank: int, world: int, out: str, target: str) -> di
         "anchor": {k: v.clone() for k, v in trainer.co2.anchor_state().items()},
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }
+
+
+def unappliable_resumes(rank: int, world: int, out: str) -> dict:
+    """A 2-process checkpoint whose files pass the checks (manifest rehashed) but cannot be applied on
+    rank 1 only: its ``co2`` state emptied, then its RNG file replaced. What each rank said, and the
+    step it reached."""
+    import shutil
+
+    import torch.distributed as dist
+    from tampering import rehash, rewrite_manifest
+
+    from co2_hf import CO2Trainer
+
+    _env(rank, world)
+    saved = make_args(out + "/run", max_steps=4, save_strategy="steps", save_steps=4)
+    CO2Trainer(model=tiny_gpt2(), args=saved, train_dataset=dataset()).train()
+    good, outcomes = out + "/run/checkpoint-4", {}
+    for tamper in ("co2_state", "rng_state"):
+        folder = f"{out}/{tamper}"
+        if rank == 0:
+            shutil.copytree(good, folder)
+            if tamper == "co2_state":
+                state = torch.load(f"{folder}/co2_rank1.pt", weights_only=True)
+                torch.save({**state, "co2": {}}, f"{folder}/co2_rank1.pt")
+            else:
+                torch.save({"python": "not a state"}, f"{folder}/rng_state_1.pth")
+            rewrite_manifest(folder, rehash(folder))
+        dist.barrier()
+        again = CO2Trainer(model=tiny_gpt2(), args=make_args(out + "/again", max_steps=8), train_dataset=dataset())
+        try:
+            again.train(resume_from_checkpoint=folder)
+            outcomes[tamper] = ("trained", again.state.global_step)
+        except ValueError as error:
+            outcomes[tamper] = (str(error), again.state.global_step)
+    return outcomes

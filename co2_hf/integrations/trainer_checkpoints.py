@@ -227,7 +227,39 @@ class CheckpointOverrides:
 
     def _restore_co2(self, directory: str) -> None:
         """This rank's own local parameters, optimizer, scaler and CO2 state (after the Trainer
-        restored the anchor into the model and rank 0's optimizer everywhere)."""
+        restored the anchor into the model and rank 0's optimizer everywhere). A state that passed
+        the checks but cannot be applied (a rank file whose ``co2`` state is empty) fails every rank
+        at once with the same message, before any trains on (`agreement.agree`)."""
+        agreement.agree(self._restore_co2_naming_it, directory)
+
+    def _restore_co2_naming_it(self, directory: str) -> None:
+        try:
+            self._restore_co2_here(directory)
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            if directory in str(error):
+                raise
+            own = rank_files.RANK_FILE.format(rank=self.args.process_index)
+            raise ValueError(f"checkpoint {directory}: its {own} cannot be restored ({error})") from error
+
+    def _load_rng_state(self, checkpoint) -> None:
+        """The Trainer's, agreed: an RNG file that cannot be restored on one rank fails every rank
+        with the same message before any trains on (alone, it left the others to a timeout)."""
+        if self.co2_config is None or checkpoint is None:
+            return super()._load_rng_state(checkpoint)
+        load = super()._load_rng_state
+
+        def restore(folder) -> None:
+            try:
+                load(folder)
+            except Exception as error:  # noqa: BLE001 - a torch.load refusal or a malformed state alike
+                raise ValueError(
+                    f"checkpoint {folder}: rank {self.args.process_index}'s RNG state (rng_state*.pth) cannot be "
+                    f"restored ({type(error).__name__}: {error}); the resume would not be exact"
+                ) from None
+
+        agreement.agree(restore, checkpoint)
+
+    def _restore_co2_here(self, directory: str) -> None:
         verified = self._co2_verified == directory  # by `_check_resumable`, just before
         sources = self._co2_sources if verified else self._elastic_sources(directory)
         if sources is not None:
