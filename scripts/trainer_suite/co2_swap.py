@@ -41,6 +41,9 @@ if OVERRIDES is not None:
     types = {f.name: f.type for f in dataclasses.fields(CO2TrainingArguments)}
     fields = [(k, types[k], dataclasses.field(default=v, kw_only=True)) for k, v in OVERRIDES.items()]
     TrainingArguments = dataclasses.make_dataclass("TrainingArguments", fields, bases=(CO2TrainingArguments,))
+    # pickle finds a class by module and name: this module's global (the tests pickle their arguments;
+    # make_dataclass takes module= only from Python 3.12)
+    TrainingArguments.__module__ = __name__
     Trainer = type("Trainer", (CO2Trainer,), {})
     for module in {id(m): m for m in (sys.modules["transformers"], transformers)}.values():
         module.TrainingArguments, module.Trainer = TrainingArguments, Trainer
