@@ -44,6 +44,34 @@ MIN_TIMEOUT_S = 1.0
 # their number (7 s for 10,000 on a 1M-parameter model here); a longer round would mix the workers
 # a handful of times in a whole run. Published local-SGD runs use tens to a few thousand steps.
 MAX_LOCAL_STEPS = 10_000
+# Bounds on the numbers that had none: each is the edge past which a value means nothing more than the
+# bound does (or overflows float32, the outer state's type), so a larger one is a typo, refused by name.
+# No run takes a billion optimizer steps (a trillion tokens at a million tokens per step is a million
+# steps): co2_sync_warmup_steps beyond it would be data parallel for the whole run without saying so.
+MAX_STEPS = 10**9
+# alpha > 1 extrapolates past the workers' average; published runs use 0.7 (DiLoCo) to 1 (CO2). Ten
+# times the average's move already overshoots it by far; larger alphas throw the anchor out of range.
+MAX_OUTER_LR = 10.0
+# lambda: P = 1/max(1, lambda x gap). At 1e4 a gap of 1e-4 of mean |D| already halves the update; a
+# larger lambda only drives P to 0 (the outer step frozen), and lambda x gap overflows float32 past 3.4e38.
+MAX_GAP_PENALTY = 1e4
+# phi clips the outer momentum's global L2 norm (float32): below 1e-8 it scales every update to about 0
+# (1e-300 is 0 in float32: a division by zero), above 1e8 no model's round of parameter changes reaches it,
+# so it never clips (leave it unset for that).
+CLIP_RANGE = (1e-8, 1e8)
+# One float32 scale per block: at 4096 values the scales are under 0.1% of int8's bytes, so a larger
+# block saves nothing, quantizes coarser, and pads every fragment by up to block - 1 values.
+MAX_QUANT_BLOCK = 4096
+# A thousand rounds in a row in which no worker is finite is a diverged run: past that, say "never stop"
+# (0) instead of a number that means it.
+MAX_SKIPPED_ROUNDS = 1000
+# No sparse block holds more than MAX_SPARSE_BLOCK values, so a lower density keeps less than one value
+# in every block, and the wire sends one per block whatever it says (1e-9 would send 1/256 of them).
+MIN_SPARSE_DENSITY = 1 / MAX_SPARSE_BLOCK
+# Settings read by coded wires only (their defaults, and the wires that read them): another value with
+# another wire would be accepted and have no effect. Sparse rounds its codes too (core/codecs/sparse.py).
+CODED_ONLY = {"co2_quant_block": 128, "co2_quant_rounding": "nearest"}
+CODED_WIRES = ("int8", "int4", "sparse")
 # Settings read by the sparse wire only, with their defaults: another value with another wire would
 # be accepted and have no effect.
 SPARSE_ONLY = {
@@ -93,11 +121,12 @@ def check_settings(config: Any) -> None:
         f"an integer in [1, {MAX_LOCAL_STEPS}] (a longer round would average the workers only a few times "
         "in a run, and its default co2_fragments, one per inner step, would make the start-up slow)",
     )
-    _check_int(config, "co2_sync_warmup_steps", minimum=0)
-    _check_int(config, "co2_worker_size", minimum=1)
-    _check_int(config, "co2_max_skipped_rounds", minimum=0)
-    _check_int(config, "co2_quant_block", minimum=2)
-    _check("co2_quant_block", config.co2_quant_block, config.co2_quant_block % 2 == 0, "an even integer >= 2")
+    _check_int(config, "co2_sync_warmup_steps", minimum=0, maximum=MAX_STEPS)
+    _check_int(config, "co2_worker_size", minimum=1)  # bounded by the world size: check_world
+    _check_int(config, "co2_max_skipped_rounds", minimum=0, maximum=MAX_SKIPPED_ROUNDS, zero="0: never stop")
+    _check_int(config, "co2_quant_block", minimum=2, maximum=MAX_QUANT_BLOCK)
+    block = config.co2_quant_block
+    _check("co2_quant_block", block, block % 2 == 0, f"an even integer in [2, {MAX_QUANT_BLOCK}]")
     _check_outer_step(config)
     _check_window(config)
     _check_fragments(config)
@@ -113,12 +142,18 @@ def check_settings(config: Any) -> None:
     for name, allowed in CHOICES.items():
         value = getattr(config, name)
         _check(name, value, value in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+    _check_coded_only(config)
     _check_hosting(config)
 
 
 def _check_outer_step(config: Any) -> None:
     alpha = config.co2_outer_lr
-    _check("co2_outer_lr", alpha, _is_real(alpha) and alpha > 0, "a finite number > 0")
+    _check(
+        "co2_outer_lr",
+        alpha,
+        _is_real(alpha) and 0 < alpha <= MAX_OUTER_LR,
+        f"a finite number > 0 and <= {MAX_OUTER_LR:g} (published runs use 0.7 to 1)",
+    )
     beta = config.co2_outer_momentum
     _check("co2_outer_momentum", beta, _is_real(beta) and 0 <= beta < 1, "a number in [0, 1)")
     gamma = config.co2_eager_weight
@@ -129,13 +164,19 @@ def _check_outer_step(config: Any) -> None:
             "the 'eager' start only): allowed value here is 1.0"
         )
     lam = config.co2_gap_penalty
-    _check("co2_gap_penalty", lam, _is_real(lam) and lam >= 0, "a finite number >= 0 (0: off)")
-    phi = config.co2_clip_threshold
+    _check(
+        "co2_gap_penalty",
+        lam,
+        _is_real(lam) and 0 <= lam <= MAX_GAP_PENALTY,
+        f"a finite number >= 0 and <= {MAX_GAP_PENALTY:g} (0: off; a larger one only freezes the outer step)",
+    )
+    phi, (low, high) = config.co2_clip_threshold, CLIP_RANGE
     _check(
         "co2_clip_threshold",
         phi,
-        phi is None or (_is_real(phi) and phi > 0),
-        "a finite number > 0, or None for no clipping",
+        phi is None or (_is_real(phi) and low <= phi <= high),
+        f"a finite number in [{low:g}, {high:g}] (below it every update is scaled to about 0, above it "
+        "nothing is ever clipped), or None for no clipping",
     )
 
 
@@ -179,7 +220,13 @@ def _check_fragments(config: Any) -> None:
 
 def _check_sparse(config: Any) -> None:
     density, bits = config.co2_sparse_density, config.co2_sparse_bits
-    _check("co2_sparse_density", density, _is_real(density) and 0 < density <= 1, "a number in (0, 1]")
+    _check(
+        "co2_sparse_density",
+        density,
+        _is_real(density) and MIN_SPARSE_DENSITY <= density <= 1,
+        f"a number in (0, 1], at least 1/{MAX_SPARSE_BLOCK} (below it no block keeps even one value, and the "
+        "wire sends one per block anyway)",
+    )
     _check("co2_sparse_bits", bits, bits in SPARSE_BITS and not isinstance(bits, bool), "2 or 4")
     decay = config.co2_sparse_feedback_decay
     _check("co2_sparse_feedback_decay", decay, _is_real(decay) and 0 < decay <= 1, "a number in (0, 1]")
@@ -196,6 +243,62 @@ def _check_sparse(config: Any) -> None:
         raise ValueError(
             f"co2_quant_block={block} is not allowed with co2_comm_dtype='sparse' (a kept value's "
             f"position in its block travels as one byte): it must be an even integer in [2, {MAX_SPARSE_BLOCK}]"
+        )
+
+
+def _check_coded_only(config: Any) -> None:
+    """The block and the rounding of codes, set where the wire sends no codes: refused naming both."""
+    if config.co2_comm_dtype in CODED_WIRES:
+        return
+    for name, default in CODED_ONLY.items():
+        if getattr(config, name) != default:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} has no effect with co2_comm_dtype={config.co2_comm_dtype!r}: "
+                f"only co2_comm_dtype {', '.join(map(repr, CODED_WIRES))} read it. Drop it (allowed value here is "
+                f"{default!r}), or set one of those"
+            )
+
+
+def set_without_effect(config: Any, defaults: dict[str, Any]) -> list[str]:
+    """``name=value`` of each setting other than its default where ``co2_enabled=False`` makes every
+    co2_* setting useless (the plain Trainer or Accelerate loop runs)."""
+    return [
+        f"{name}={getattr(config, name)!r}"
+        for name, default in defaults.items()
+        if name != "co2_enabled" and getattr(config, name) != default
+    ]
+
+
+def check_run_length(config: Any, max_steps: int) -> None:
+    """What depends on the run's length, where it is known (the Trainer's ``max_steps`` > 0; with
+    epochs it is not known before the data loader is): a run CO2 never starts in, or in which no
+    round completes, is refused."""
+    if max_steps <= 0:
+        return
+    warmup, tau = config.co2_sync_warmup_steps, config.co2_local_steps
+    if warmup >= max_steps:
+        raise ValueError(
+            f"co2_sync_warmup_steps={warmup} is not allowed with max_steps={max_steps}: the whole run would be "
+            f"plain data parallel and CO2 would never start. Allowed: co2_sync_warmup_steps < max_steps (at most "
+            f"{max_steps - 1}), or --co2_enabled false"
+        )
+    if warmup + tau > max_steps:
+        raise ValueError(
+            f"co2_local_steps={tau} is not allowed with max_steps={max_steps} and co2_sync_warmup_steps={warmup}: "
+            f"no round would ever complete (the first ends after step {warmup + tau}). Allowed: co2_local_steps "
+            f"<= {max_steps - warmup}"
+        )
+
+
+def check_ddp_timeout(config: Any, ddp_timeout: int) -> None:
+    """A ``ddp_timeout`` the user set below ``co2_timeout_s``: a rank behind a dead or slow peer would be
+    stopped by the Trainer's group with a bare timeout before CO2's own wait could say which round and
+    peer; refused naming both."""
+    if ddp_timeout < config.co2_timeout_s:
+        raise ValueError(
+            f"ddp_timeout={ddp_timeout} is not allowed with co2_timeout_s={config.co2_timeout_s:g}: the default "
+            "group's collectives would time out first, without CO2's message. Allowed: ddp_timeout >= "
+            f"{math.ceil(config.co2_timeout_s)}, or leave ddp_timeout unset (it then follows co2_timeout_s)"
         )
 
 
@@ -283,10 +386,12 @@ def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}")
 
 
-def _check_int(config: Any, name: str, *, minimum: int) -> None:
+def _check_int(config: Any, name: str, *, minimum: int, maximum: int | None = None, zero: str = "") -> None:
     value = getattr(config, name)
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _check(name, value, ok, f"an integer >= {minimum}")
+    ok = ok and (maximum is None or value <= maximum)
+    allowed = f"an integer >= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+    _check(name, value, ok, allowed + (f" ({zero})" if zero else ""))
 
 
 def divisors(n: int) -> list[int]:

@@ -10,7 +10,10 @@ the config and its checks import nothing else of co2_hf.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import numbers
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +34,10 @@ from .allowed import (
     check_settings,
     check_world,
     max_paying_workers,  # noqa: F401
+    set_without_effect,
 )
+
+logger = logging.getLogger(__name__)
 
 # Settings of how a run is hosted, not of what it computes: left out of `CO2Config.co2_dict`, so a
 # checkpoint neither records nor compares them. co2_elastic differs by design between the run that
@@ -142,7 +148,7 @@ class CO2Config:
     )
     co2_quant_rounding: QuantRounding = _knob(
         "nearest",
-        "With co2_comm_dtype int8/int4: round each value to the 'nearest' code or 'stochastic'ally "
+        "With co2_comm_dtype int8/int4/sparse: round each value to the 'nearest' code or 'stochastic'ally "
         "(unbiased). Error feedback carries what rounding leaves out to the next round either way.",
     )
     co2_sync_warmup_steps: int = _knob(
@@ -190,20 +196,26 @@ class CO2Config:
     def validate_co2(self) -> None:
         """Raise ``ValueError`` naming the field, the value and what is allowed (``allowed.py``).
 
-        Numbers of other numeric types (``numpy.int64(4)``, ``numpy.float32(0.5)``) are accepted and
-        stored as Python ``int`` / ``float``, so that the config saves as JSON like any other."""
+        Numbers of other numeric types (``numpy.int64(4)``, ``numpy.float64(0.5)``, ``4.0`` for an
+        integer) are accepted and stored as the declared Python ``int`` / ``float``, so that the config
+        saves as JSON like any other and compares equal to its checkpoint's."""
         self._normalise_numbers()
         check_settings(self)
+        if not self.co2_enabled:
+            _say_without_effect(tuple(set_without_effect(self, _defaults())))
 
     def _normalise_numbers(self) -> None:
-        for f in dataclasses.fields(CO2Config):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+        """Each number as its field's declared type. An integral float becomes an int (``4.0`` would
+        pass ``in (2, 4)`` and be saved as 4.0); bools and non-integral values for an int are left for
+        the checks to refuse by name."""
+        for name, declared in _number_fields().items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue
-            if isinstance(value, numbers.Integral):
-                setattr(self, f.name, int(value))
-            elif isinstance(value, numbers.Real):
-                setattr(self, f.name, float(value))
+            if declared is float:
+                setattr(self, name, float(value))
+            elif isinstance(value, numbers.Integral) or float(value).is_integer():
+                setattr(self, name, int(value))
 
     # F and k are resolved here and nowhere else: the engine's `Plan` (core/schedule.py) takes them
     # from these two properties, and the engine reads tau, F and k from its plan
@@ -274,3 +286,33 @@ class CO2Config:
     def from_object(cls, obj: Any) -> CO2Config:
         """Build a config from any object carrying the ``co2_*`` attributes (e.g. training args)."""
         return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+
+
+@functools.cache
+def _number_fields() -> dict[str, type]:
+    """The fields declared ``int`` or ``float`` (optional or not), with that type."""
+    hints = typing.get_type_hints(CO2Config)
+    declared = {
+        name: {t for t in (typing.get_args(hint) or (hint,)) if t in (int, float)} for name, hint in hints.items()
+    }
+    return {name: kinds.pop() for name, kinds in declared.items() if len(kinds) == 1}
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(CO2Config)}
+
+
+@functools.cache
+def _say_without_effect(names: tuple[str, ...]) -> None:
+    """co2_* settings with co2_enabled=False: warned once, not refused, since a recipe's own defaults
+    (its co2_local_steps, ...) stand beside a baseline's --co2_enabled false and cannot be told from
+    values the user typed."""
+    if names:
+        logger.warning(
+            "CO2: %s ha%s no effect with co2_enabled=False: the plain data-parallel run reads no co2_* setting. "
+            "Drop %s, or set co2_enabled=True.",
+            ", ".join(names),
+            "s" if len(names) == 1 else "ve",
+            "it" if len(names) == 1 else "them",
+        )

@@ -48,7 +48,7 @@ def poisoned_state(claim_step: int) -> bytes:
         for p in model.parameters():
             p.fill_(POISON)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = CO2Config(co2_local_steps=4, co2_fragments=1, co2_comm_dtype="float32", co2_quant_block=16)
+    config = CO2Config(co2_local_steps=4, co2_fragments=1, co2_comm_dtype="float32")
     co2 = CO2(model, config, optimizer, communicator=FakeCommunicator(num_workers=2))
     user = {"co2": {"engine": co2.state_dict(), "at_boundary": True}, "model": model.state_dict()}
     user["optimizer"] = optimizer.state_dict()

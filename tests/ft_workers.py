@@ -91,7 +91,11 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     config = CO2Config(
-        co2_local_steps=args.tau, co2_fragments=args.fragments, co2_comm_dtype=args.comm_dtype, co2_quant_block=16
+        co2_local_steps=args.tau,
+        co2_fragments=args.fragments,
+        co2_comm_dtype=args.comm_dtype,
+        # where the wire reads it: a float32 or bfloat16 wire refuses a block (it sends no codes)
+        **({"co2_quant_block": 16} if args.comm_dtype in ("int8", "int4", "sparse") else {}),
     )
     ft = TorchFT(config, timeout_s=args.timeout_s, quorum_timeout_s=60, start_timeout_s=args.start_timeout_s)
     if args.die and not os.path.exists(args.out):  # a replacement (its predecessor wrote) lives

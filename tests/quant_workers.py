@@ -57,6 +57,11 @@ def _reference(every: list[torch.Tensor], ref_sent, ref_owned, bits: int) -> tor
     return torch.cat(slices)
 
 
+def _block(dtype: str, block: int) -> dict:
+    """co2_quant_block where the wire reads it: a float32 or bfloat16 wire refuses one (it sends no codes)."""
+    return {"co2_quant_block": block} if dtype in ("int8", "int4", "sparse") else {}
+
+
 def engine_over_the_wire(rank: int, world: int, dtypes: tuple[str, ...], steps: int) -> dict:
     """The engine on TinyNet over gloo for each wire type (streaming defaults, tau 4): its anchors,
     and the names of the threads that ran the coded collectives (they must stay off the main one)."""
@@ -76,7 +81,7 @@ def engine_over_the_wire(rank: int, world: int, dtypes: tuple[str, ...], steps: 
     quant.GroupCollectives.all_to_all_ = recorded
     try:
         runs = {
-            dtype: train_engine(rank, world, dict(co2_local_steps=4, co2_comm_dtype=dtype, co2_quant_block=8), steps)
+            dtype: train_engine(rank, world, dict(co2_local_steps=4, co2_comm_dtype=dtype, **_block(dtype, 8)), steps)
             for dtype in dtypes
         }
     finally:

@@ -21,6 +21,10 @@ INVALID = [
     ("co2_local_steps", 10**9, "an integer in [1, 10000] (a longer round would average the workers only a few"),
     ("co2_outer_lr", 0.0, "> 0"),
     ("co2_outer_lr", float("nan"), "> 0"),
+    ("co2_outer_lr", True, "a finite number > 0"),
+    ("co2_outer_lr", 1e20, "<= 10 (published runs use 0.7 to 1)"),
+    ("co2_sparse_bits", 4.5, "2 or 4"),
+    ("co2_sparse_bits", True, "2 or 4"),
     ("co2_outer_momentum", 1.0, "[0, 1)"),
     ("co2_outer_momentum", -0.1, "[0, 1)"),
     ("co2_nesterov", 1, "True or False"),
@@ -34,11 +38,11 @@ INVALID = [
     ("co2_gap_penalty", -1.0, ">= 0"),
     ("co2_gap_penalty", float("inf"), ">= 0"),
     ("co2_gap_penalty_mode", "linear", "'gap_aware', 'constant'"),
-    ("co2_clip_threshold", 0.0, "> 0, or None"),
-    ("co2_clip_threshold", -3.0, "> 0, or None"),
+    ("co2_clip_threshold", 0.0, "in [1e-08, 1e+08]"),
+    ("co2_clip_threshold", -3.0, "in [1e-08, 1e+08]"),
     ("co2_comm_dtype", "float16", "'float32', 'bfloat16', 'int8', 'int4'"),
     ("co2_quant_block", 1, "integer >= 2"),
-    ("co2_quant_block", 33, "an even integer >= 2"),
+    ("co2_quant_block", 33, "an even integer in [2, 4096]"),
     ("co2_quant_rounding", "up", "'nearest', 'stochastic'"),
     ("co2_sparse_density", 0.0, "a number in (0, 1]"),
     ("co2_sparse_density", 1.5, "a number in (0, 1]"),
@@ -182,3 +186,37 @@ def test_fragments_set_the_window_and_refuse_a_second_one():
         CO2Config(co2_fragments=3, co2_overlap_steps=2)
     with pytest.raises(ValueError, match=r"allowed values are \[1, 2, 3, 4, 6, 12\]"):
         CO2Config(co2_fragments=5)
+
+
+def test_numbers_are_stored_as_their_declared_type():
+    """4.0 for an int field used to stay a float (and pass ``in (2, 4)``), numpy.float64 stayed numpy:
+    each becomes the declared int or float, so the config saves and compares as JSON does."""
+    import numpy as np
+
+    config = CO2Config(
+        co2_comm_dtype="sparse",
+        co2_sparse_bits=4.0,
+        co2_quant_block=np.float64(64.0),
+        co2_outer_lr=np.float64(0.5),
+        co2_outer_momentum=0,
+        co2_clip_threshold=np.int64(2),
+    )
+    values = (config.co2_sparse_bits, config.co2_quant_block, config.co2_outer_lr, config.co2_outer_momentum)
+    assert [type(v) for v in values] == [int, int, float, float] and values == (4, 64, 0.5, 0.0)
+    assert type(config.co2_clip_threshold) is float and config.co2_clip_threshold == 2.0
+    with pytest.raises(ValueError, match=re.escape("co2_local_steps=4.5 is not allowed: it must be an integer")):
+        CO2Config(co2_local_steps=4.5)
+
+
+def test_co2_settings_with_co2_disabled_are_warned_once_naming_them(caplog):
+    """Plain data parallel reads no co2_* setting; a recipe's own defaults stand beside --co2_enabled
+    false, so it is a warning, said once, not a refusal."""
+    with caplog.at_level(logging.WARNING, logger="co2_hf.config"):
+        for _ in range(3):
+            CO2Config(co2_enabled=False, co2_comm_dtype="int8", co2_fragments=2)
+        CO2Config(co2_enabled=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "CO2: co2_fragments=2, co2_comm_dtype='int8' have no effect with co2_enabled=False: the plain data-parallel "
+        "run reads no co2_* setting. Drop them, or set co2_enabled=True."
+    ], said

@@ -47,9 +47,9 @@ BAD_FLAGS = [
     ("co2_gap_penalty", "-1", ">= 0"),
     ("co2_gap_penalty", "inf", ">= 0"),
     ("co2_gap_penalty_mode", "linear", "choose from"),
-    ("co2_clip_threshold", "0", "> 0, or None"),
+    ("co2_clip_threshold", "0", "in [1e-08, 1e+08]"),
     ("co2_comm_dtype", "float16", "choose from"),
-    ("co2_quant_block", "7", "an even integer >= 2"),
+    ("co2_quant_block", "7", "an even integer in [2, 4096]"),
     ("co2_quant_rounding", "up", "choose from"),
     ("co2_sparse_density", "0", "a number in (0, 1]"),
     ("co2_sparse_density", "1.5", "a number in (0, 1]"),
@@ -139,6 +139,91 @@ BAD_COMBINATIONS = [
 ]
 
 
+# settings that used to reach the process group and run without effect, or past any sense: argv beyond
+# --output_dir, words of the refusal (the flag, its value and what is allowed)
+SILENT_SETTINGS = [
+    (
+        ["--co2_quant_rounding", "stochastic"],
+        "co2_quant_rounding='stochastic' has no effect with co2_comm_dtype='float32'",
+    ),
+    (
+        ["--co2_comm_dtype", "bfloat16", "--co2_quant_rounding", "stochastic"],
+        "co2_quant_rounding='stochastic' has no effect with co2_comm_dtype='bfloat16': only co2_comm_dtype 'int8'",
+    ),
+    (["--co2_quant_block", "64"], "co2_quant_block=64 has no effect with co2_comm_dtype='float32'"),
+    (
+        ["--co2_comm_dtype", "bfloat16", "--co2_quant_block", "64"],
+        "co2_quant_block=64 has no effect with co2_comm_dtype='bfloat16'",
+    ),
+    (
+        ["--co2_comm_dtype", "sparse", "--co2_sparse_density", "1e-9"],
+        "co2_sparse_density=1e-09 is not allowed: it must be a number in (0, 1], at least 1/256",
+    ),
+    (
+        ["--co2_comm_dtype", "int8", "--co2_quant_block", "2147483648"],
+        "co2_quant_block=2147483648 is not allowed: it must be an integer >= 2 and <= 4096",
+    ),
+    (
+        ["--co2_gap_penalty", "1e308"],
+        "co2_gap_penalty=1e+308 is not allowed: it must be a finite number >= 0 and <= 10000",
+    ),
+    (
+        ["--co2_sync_warmup_steps", "99999999999"],
+        "co2_sync_warmup_steps=99999999999 is not allowed: it must be an integer >= 0 and <= 1000000000",
+    ),
+    (
+        ["--co2_max_skipped_rounds", "99999999999999"],
+        "co2_max_skipped_rounds=99999999999999 is not allowed: it must be an integer >= 0 and <= 1000 (0: never stop)",
+    ),
+    (["--co2_outer_lr", "1e20"], "co2_outer_lr=1e+20 is not allowed: it must be a finite number > 0 and <= 10"),
+    (
+        ["--co2_clip_threshold", "1e20"],
+        "co2_clip_threshold=1e+20 is not allowed: it must be a finite number in [1e-08, 1e+08]",
+    ),
+    (
+        ["--co2_clip_threshold", "1e-300"],
+        "co2_clip_threshold=1e-300 is not allowed: it must be a finite number in [1e-08",
+    ),
+    (
+        ["--co2_local_steps", "10000", "--max_steps", "5"],
+        "co2_local_steps=10000 is not allowed with max_steps=5 and co2_sync_warmup_steps=0: no round would ever "
+        "complete (the first ends after step 10000). Allowed: co2_local_steps <= 5",
+    ),
+    (
+        ["--co2_local_steps", "4", "--co2_sync_warmup_steps", "3", "--max_steps", "6"],
+        "co2_local_steps=4 is not allowed with max_steps=6 and co2_sync_warmup_steps=3",
+    ),
+    (
+        ["--co2_sync_warmup_steps", "5", "--max_steps", "3"],
+        "co2_sync_warmup_steps=5 is not allowed with max_steps=3: the whole run would be plain data parallel",
+    ),
+    (
+        ["--co2_timeout_s", "5", "--ddp_timeout", "1"],
+        "ddp_timeout=1 is not allowed with co2_timeout_s=5: the default group's collectives would time out first",
+    ),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "message"), SILENT_SETTINGS, ids=[" ".join(a) for a, _ in SILENT_SETTINGS])
+def test_a_setting_without_effect_or_sense_is_refused_before_any_process_group(
+    tmp_path, no_process_group, argv, message
+):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _parse(["--output_dir", str(tmp_path), *argv])
+
+
+@pytest.mark.timeout(60)
+def test_the_refused_lengths_and_timeouts_have_a_valid_neighbour(tmp_path):
+    """The edges of the table above are accepted: a round completes on the last step, the warm-up ends
+    before it, and ddp_timeout equals co2_timeout_s."""
+    argv = ["--co2_local_steps", "4", "--co2_sync_warmup_steps", "2", "--max_steps", "6"]
+    (args,) = _parse(["--output_dir", str(tmp_path), *argv, "--co2_timeout_s", "5", "--ddp_timeout", "5"])
+    assert (args.co2_local_steps, args.max_steps, args.ddp_timeout) == (4, 6, 5)
+    (args,) = _parse(["--output_dir", str(tmp_path), "--co2_local_steps", "10000"])  # epochs: no length known yet
+    assert args.max_steps == -1
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "env", "message"), BAD_COMBINATIONS, ids=[m[:28] for _, _, m in BAD_COMBINATIONS])
 def test_unsupported_combinations_are_refused_before_any_process_group(tmp_path, no_process_group, argv, env, message):
@@ -160,8 +245,8 @@ def test_a_valid_launch_reaches_the_process_group(tmp_path, no_process_group):
 def test_ddp_timeout_follows_co2_timeout_unless_set(tmp_path):
     (args,) = _parse(["--output_dir", str(tmp_path), "--co2_timeout_s", "41.5"])
     assert args.ddp_timeout == 42
-    (args,) = _parse(["--output_dir", str(tmp_path), "--co2_timeout_s", "41.5", "--ddp_timeout", "7"])
-    assert args.ddp_timeout == 7
+    (args,) = _parse(["--output_dir", str(tmp_path), "--co2_timeout_s", "41.5", "--ddp_timeout", "70"])
+    assert args.ddp_timeout == 70
     (args,) = _parse(["--output_dir", str(tmp_path), "--co2_enabled", "false"])
     assert args.ddp_timeout == 1800  # the Trainer's own default
 

@@ -348,7 +348,7 @@ def test_settings_changed_behind_the_users_back_are_warned_once_with_why(tmp_pat
         assert sum(words in m for m in said) == count, (words, said)
     caplog.clear()
     with caplog.at_level("WARNING", logger="co2_hf"):
-        make_args(str(tmp_path), ddp_timeout=60, co2_enabled=False)
+        make_args(str(tmp_path), ddp_timeout=60, co2_enabled=False, co2_local_steps=12)  # 12: the default
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     with caplog.at_level("WARNING", logger="co2_hf"):  # dispatch_batches unset -> False matters for these
         CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path)), train_dataset=dataset(16).to_iterable_dataset())

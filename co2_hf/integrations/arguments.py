@@ -4,7 +4,8 @@ Everything CO2 cannot work with is refused in ``__post_init__``, before ``Traini
 up the device and with it the default process group, so a bad launch fails at once and the same on
 every rank: a bad ``co2_*`` value, DeepSpeed, FSDP1 and FSDP across workers, ``parallelism_config``,
 a per-step token count gather, a ``co2_worker_size`` that does not
-divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers. ``ddp_timeout`` defaults to
+divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers, a ``max_steps`` in which no round
+completes, a ``ddp_timeout`` below ``co2_timeout_s``. ``ddp_timeout`` defaults to
 ``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
 
 FSDP2 (``--fsdp`` with ``fsdp_config`` version 2, the default) together with ``co2_worker_size = k
@@ -41,6 +42,7 @@ from transformers import TrainingArguments
 from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.training_args import _convert_str_dict  # how TrainingArguments reads JSON flags
 
+from ..allowed import check_ddp_timeout, check_run_length
 from ..config import CO2Config
 from . import fault_tolerance, launch
 
@@ -87,6 +89,9 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
             dispatch = _dispatch_batches_given(self)
+            check_run_length(self, self.max_steps)
+            if _ddp_timeout_given(self):
+                check_ddp_timeout(self, self.ddp_timeout)
         follows = self.co2_enabled and not _ddp_timeout_given(self)
         if follows:
             self.ddp_timeout = math.ceil(self.co2_timeout_s)
