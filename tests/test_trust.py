@@ -149,6 +149,61 @@ def test_the_world_file_is_validated_after_the_manifest(tmp_path):
         rank_files.check_shared(broken)
 
 
+# ---------------------------------------------------------------------- bounded JSON (issue 49, item 5)
+
+
+def _saved_step(folder: str) -> int | None:
+    from co2_hf.integrations.trainer_checkpoints import _saved_step
+
+    return _saved_step(folder, read_manifest(folder)["step"])
+
+
+# each JSON file CO2 reads from a checkpoint: how it is read (after the manifest, where it is not
+# the manifest itself), and a content over its cap (the manifest's 16 MiB, the config's 64 KiB, the
+# Trainer state's 1 MiB + 4 KiB per step: a 36 MB one took 1.43 GB per rank)
+JSON_FILES = {
+    MANIFEST_FILE: (rank_files.check_shared, b'{"pad": "' + b"x" * (16 << 20) + b'"}'),
+    config_file.CONFIG_FILE: (config_file.saved_world, b'{"pad": "' + b"x" * (64 << 10) + b'"}'),
+    "trainer_state.json": (_saved_step, b'{"global_step": 4, "log_history": [' + b"{}, " * (1 << 19) + b"{}]}"),
+}
+DEEP = b"[" * 30_000 + b"]" * 30_000  # 30 times the parser's recursion limit: a bare RecursionError, before
+
+
+@pytest.mark.parametrize("content", ["oversize", "deep"])
+@pytest.mark.parametrize("name", list(JSON_FILES))
+def test_every_json_file_of_a_checkpoint_is_read_bounded_naming_file_and_checkpoint(tmp_path, name, content):
+    folder = published(str(tmp_path / "ckpt"), {config_file.CONFIG_FILE: b"{}", "trainer_state.json": b"{}"})
+    read, oversize = JSON_FILES[name]
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(oversize if content == "oversize" else DEEP)
+    if name != MANIFEST_FILE:
+        rewrite_manifest(folder, rehash(folder))  # the manifest made to match: it cannot tell
+    with pytest.raises(ValueError) as info:
+        read(folder)
+    message = str(info.value)
+    assert f"checkpoint {folder}: its {name} " in message, message
+    expected = "more than it can need" if content == "oversize" else "nests deeper than 32 levels"
+    assert expected in message, message
+
+
+def test_a_trainer_state_with_a_key_trainerstate_lacks_is_refused_by_name_before_the_trainer_builds_it(tmp_path):
+    """It used to end in a raw ``TypeError: TrainerState.__init__() got an unexpected keyword argument
+    'junk'`` from the Trainer, after CO2's checks had passed."""
+    first = _trainer_run(tmp_path, 4, every=4)
+    first.train()
+    folder = str(tmp_path / "checkpoint-4")
+    path = os.path.join(folder, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**state, "junk": 1}, f)
+    rewrite_manifest(folder, rehash(folder))
+    with pytest.raises(ValueError) as info:
+        _trainer_run(tmp_path, 4, every=4).train(resume_from_checkpoint=folder)
+    message = str(info.value)
+    assert f"checkpoint {folder}: its trainer_state.json holds 'junk', not fields of" in message, message
+
+
 # ---------------------------------------------------------------------- bounded loads
 
 

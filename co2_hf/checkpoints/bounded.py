@@ -14,13 +14,23 @@ times over), or whose pickle is larger than its entries need (`PICKLE_BASE_BYTES
 Every file CO2, the Trainer or Accelerate loads with ``torch.load`` goes through it before anything
 of the checkpoint is loaded (`TORCH_FILES`: the rank files, ``optimizer.pt``, ``scheduler.pt``, the
 RNG states, ``scaler.pt``, Accelerate's ``*.bin`` and ``random_states_*.pkl``).
+
+Every JSON file CO2 reads from a checkpoint (``co2_manifest.json``, ``co2_config.json``, and
+``trainer_state.json`` before the Trainer reads it) goes through `read_json` (issue 49: a 36 MB
+``trainer_state.json`` took 1.43 GB per rank, and a deeply nested one a bare RecursionError): a
+regular file no larger than the cap its caller derives from what the file can hold, nested no deeper
+than `MAX_JSON_DEPTH` (counted on the text, without recursion, before it is parsed).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
+import re
+import stat
 import zipfile
+from typing import Any
 
 # the names the Trainer, Accelerate and CO2 read with torch.load (safetensors and JSON bound themselves)
 TORCH_FILES = ("*.pt", "*.pth", "*.bin", "*.pkl")
@@ -75,3 +85,46 @@ def check_torch_files(directory: str, names: list[str]) -> None:
     for name in names:
         if is_torch_file(name):
             check_torch_file(os.path.join(directory, name), where=f"checkpoint {directory}")
+
+
+# The files CO2 writes nest 4 levels at most (the manifest's files, a Trainer state's callbacks'
+# arguments); 32 leaves room for a callback's own state and stays far from the parser's recursion.
+MAX_JSON_DEPTH = 32
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a string's brackets are not nesting
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def read_json(directory: str, name: str, *, max_bytes: int, why: str) -> Any:
+    """``name`` of checkpoint ``directory``, parsed: a ``ValueError`` naming both where it is not a
+    regular file, is over ``max_bytes`` (``why``: what the file can need), nests deeper than
+    `MAX_JSON_DEPTH` or is not JSON."""
+    path, where = os.path.join(directory, name), f"checkpoint {directory}: its {name}"
+    try:
+        mode = os.lstat(path)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {directory} has no {name}") from None
+    if not stat.S_ISREG(mode.st_mode):
+        raise ValueError(f"{where} is not a regular file, so it is not read")
+    with open(path, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ValueError(f"{where} is over {max_bytes} bytes, more than it can need ({why}), so it is not read")
+    if _nesting(raw) > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"{where} nests deeper than {MAX_JSON_DEPTH} levels (CO2 and the Trainer write 4 at most), so it "
+            "is not parsed"
+        )
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as error:  # not UTF-8 or not JSON
+        raise ValueError(f"checkpoint {directory} is corrupted: its {name} is not valid JSON ({error})") from None
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep ``raw``'s brackets nest outside strings (stops counting past `MAX_JSON_DEPTH`)."""
+    depth = 0
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', raw)):
+        depth += 1 if bracket.group() in (b"[", b"{") else -1
+        if depth > MAX_JSON_DEPTH:
+            break
+    return depth

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 from ..config import CO2Config
 from ..core.schedule import Plan
+from . import bounded
 from .manifest import is_count
 
 CONFIG_FILE = "co2_config.json"
+# the settings, the world and the resolved plan: about 2 KB; 64 KiB is ample for settings yet to come
+MAX_CONFIG_BYTES = 64 << 10
+CONFIG_NEEDS = "some 30 settings, the world and the plan take about 2 KB"
 
 
 def write_co2_config(directory: str, config: CO2Config, *, plan: Plan, world_size: int) -> None:
@@ -26,13 +29,12 @@ def write_co2_config(directory: str, config: CO2Config, *, plan: Plan, world_siz
 def saved_world(directory: str) -> tuple[int, int]:
     """(world size, ``co2_worker_size``) of the run that saved ``directory``, from its config file
     (verified with the folder first: `check_shared`)."""
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(os.path.join(directory, CONFIG_FILE)):
         raise ValueError(
             f"checkpoint {directory} has no {CONFIG_FILE}, which records the world that saved it: it can "
             "only be resumed on the same world size"
         )
-    saved = _read_json(path)
+    saved = bounded.read_json(directory, CONFIG_FILE, max_bytes=MAX_CONFIG_BYTES, why=CONFIG_NEEDS)
     world, k = saved.get("world_size") if isinstance(saved, dict) else None, None
     if isinstance(saved, dict):
         k = saved.get("co2_worker_size")
@@ -42,11 +44,3 @@ def saved_world(directory: str) -> tuple[int, int]:
             f"co2_worker_size {k!r}: integers >= 1, the second dividing the first)"
         )
     return world, k
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None

@@ -25,12 +25,15 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import bounded
+
 MANIFEST_FILE = "co2_manifest.json"
 MANIFEST_FORMAT = 2  # every file with its bytes and sha256 (format 1, bytes only, is refused)
 CHECKSUM = "sha256"
 CHECKSUM_BLOCK = 4 << 20  # bytes read per update: large enough that the hash, not Python, is the cost
 HASH_THREADS = 4  # files hashed at once by one rank (the leader's several, or a resume's)
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few KB; more is not a manifest (or /dev/zero)
+MANIFEST_NEEDS = "about 200 bytes per file listed: 16 MiB is some 80,000 files"
 RUN_ID = re.compile(r"[0-9a-f]{16}")  # a run's id, and a save's (publish.py, "Runs")
 _HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -89,20 +92,8 @@ def fsync_dir(directory: str) -> None:
 
 def read_manifest(directory: str) -> dict[str, Any]:
     """The validated manifest of ``directory``; ``ValueError`` naming the problem otherwise."""
-    path = os.path.join(directory, MANIFEST_FILE)
-    try:
-        mode = os.lstat(path)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {directory} has no {MANIFEST_FILE}") from None
-    if not stat.S_ISREG(mode.st_mode) or mode.st_size > MAX_MANIFEST_BYTES:
-        raise ValueError(f"checkpoint {directory}: its {MANIFEST_FILE} is not a regular file of a manifest's size")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
-    try:
-        manifest = json.loads(raw)
-    except ValueError as error:  # not UTF-8 or not JSON: the manifest has no checksum of its own
-        message = f"checkpoint {directory} is corrupted: its {MANIFEST_FILE} is not valid JSON ({error})"
-        raise ValueError(message) from None
+    # the manifest has no checksum of its own: its size, depth and syntax are checked as it is read
+    manifest = bounded.read_json(directory, MANIFEST_FILE, max_bytes=MAX_MANIFEST_BYTES, why=MANIFEST_NEEDS)
     problem = _manifest_problem(manifest)
     if problem is not None:
         raise ValueError(

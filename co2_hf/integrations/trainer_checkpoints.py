@@ -14,7 +14,7 @@ reads as one job, not for use apart.
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
-from ..checkpoints import agreement, config_file, elastic, lease, publish, rank_files
+from ..checkpoints import agreement, bounded, config_file, elastic, lease, publish, rank_files
 from ..checkpoints.manifest import MANIFEST_FILE, manifest_digest, saved_run
 
 # the save strategies under which the Trainer looks up the best checkpoint at each save
@@ -56,7 +57,7 @@ class CheckpointOverrides:
         run that saved it (None: a co2_hf that did not record runs)."""
         manifest = rank_files.check_shared(directory, verify=verify)
         sources = self._elastic_sources(directory)
-        step, rank, world = _saved_step(directory), self.args.process_index, self.args.world_size
+        step, rank, world = _saved_step(directory, manifest["step"]), self.args.process_index, self.args.world_size
         rank_files.check_complete(directory, rank, world, step=step, verify=verify, sources=sources, manifest=manifest)
         return sources, step, manifest_digest(directory), manifest.get("run")
 
@@ -337,17 +338,31 @@ def _earlier_checkpoints(folder: str, *, run: str) -> tuple[dict[str, list[str]]
     return earlier, foreign
 
 
-def _saved_step(directory: str) -> int | None:
-    """The step ``trainer_state.json`` records (verified with its folder before it is read)."""
-    path = os.path.join(directory, TRAINER_STATE_NAME)
-    if not os.path.exists(path):
+# trainer_state.json holds a few fields and the log history: at most a training log and an
+# evaluation's per step (each a few hundred bytes with CO2's metrics, 4 KiB allows many more metrics)
+TRAINER_STATE_BASE_BYTES = 1 << 20
+TRAINER_STATE_BYTES_PER_STEP = 4 << 10
+TRAINER_STATE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainerState))
+
+
+def _saved_step(directory: str, manifest_step: int) -> int | None:
+    """The step ``trainer_state.json`` records, read (verified with its folder first) no larger than
+    ``manifest_step`` steps of logs need and with only `TrainerState`'s fields, before the Trainer
+    builds its `TrainerState` from it."""
+    if not os.path.lexists(os.path.join(directory, TRAINER_STATE_NAME)):
         return None
-    try:
-        with open(path, "rb") as f:
-            step = json.load(f).get("global_step")
-    except (ValueError, AttributeError) as error:
-        message = f"checkpoint {directory}: its {TRAINER_STATE_NAME} is not a Trainer state ({error})"
-        raise ValueError(message) from None
+    cap = TRAINER_STATE_BASE_BYTES + TRAINER_STATE_BYTES_PER_STEP * max(manifest_step, 0)
+    needs = f"1 MiB and 4 KiB of logs per step, {manifest_step} steps saved"
+    state = bounded.read_json(directory, TRAINER_STATE_NAME, max_bytes=cap, why=needs)
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {directory}: its {TRAINER_STATE_NAME} is not a Trainer state (not an object)")
+    unknown = sorted(set(state) - TRAINER_STATE_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"checkpoint {directory}: its {TRAINER_STATE_NAME} holds {', '.join(map(repr, unknown[:5]))}, not "
+            f"fields of this transformers' TrainerState, so it is not loaded"
+        )
+    step = state.get("global_step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"checkpoint {directory}: its {TRAINER_STATE_NAME} records global_step {step!r}")
     return step
