@@ -128,6 +128,20 @@ def test_listed_names_must_be_regular_files_of_the_folder(tmp_path):
     rank_files.read_rank_state(folder, 0, 1)
 
 
+@pytest.mark.parametrize("kind", ["folder", "file", "nested"])
+def test_a_link_the_manifest_does_not_list_is_refused_by_name(tmp_path, kind):
+    """``extra -> /etc`` (a folder: os.walk does not enter it) used to be accepted; a linked file or
+    a link inside a listed folder is refused by name too, before anything is hashed or loaded."""
+    folder = published(str(tmp_path / "ckpt"), {"a.dat": b"abc"})
+    name = {"folder": "extra", "file": "extra.json", "nested": "sub/extra"}[kind]
+    os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+    os.symlink("/etc" if kind != "file" else "/etc/hostname", os.path.join(folder, name))
+    with pytest.raises(ValueError, match=rf"checkpoint {folder}: {name} is a link to /etc.* does not list"):
+        rank_files.check_shared(folder)
+    with pytest.raises(ValueError, match=rf"CO2 will not save into {folder}: it holds files CO2 did not write"):
+        publish.begin_save(folder, rank=0, leader=0, run=RUN)  # nor replaced: the link is not CO2's
+
+
 def test_agree_turns_any_exception_into_the_same_value_error():
     def unreadable():
         raise PermissionError(13, "Permission denied", "/ckpt/co2_rank0.pt")

@@ -181,6 +181,14 @@ def check_files(directory: str, manifest: dict[str, Any]) -> None:
                 f"{found}, its {MANIFEST_FILE} says {entry['bytes']} bytes"
             )
     unlisted = sorted(files_under(directory, hidden=False) - set(files) - {MANIFEST_FILE})
+    links = [name for name in unlisted if os.path.islink(os.path.join(directory, name))]
+    if links:
+        target = os.path.realpath(os.path.join(directory, links[0]))
+        raise ValueError(
+            f"checkpoint {directory}: {links[0]} is a link to {target} that its {MANIFEST_FILE} does not list "
+            f"(links: {', '.join(links[:3])}): a checkpoint holds its own files, and what a link reaches could "
+            "be loaded on resume unverified. Remove the link, or resume from a copy of the checkpoint as it was saved"
+        )
     if unlisted:
         raise ValueError(
             f"checkpoint {directory} has files its {MANIFEST_FILE} does not list ({', '.join(unlisted[:3])}): they "
@@ -245,12 +253,15 @@ def describe_files(directory: str, reported: dict[str, dict]) -> dict[str, dict]
 
 
 def files_under(directory: str, *, hidden: bool) -> set[str]:
-    """Relative names of the files (and links) under ``directory``; ``hidden=False`` skips names
-    and folders starting with "." (a Hub download's .cache, .gitattributes), which nothing loads."""
+    """Relative names of the files and links under ``directory``, links to folders included (os.walk
+    lists them as folders and does not enter them: ``extra -> /etc`` would otherwise go unseen);
+    ``hidden=False`` skips names and folders starting with "." (a Hub download's .cache,
+    .gitattributes), which nothing loads."""
     found = set()
     for root, dirs, files in os.walk(directory):
         if not hidden:
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             files = [f for f in files if not f.startswith(".")]
-        found.update(os.path.relpath(os.path.join(root, f), directory).replace(os.sep, "/") for f in files)
+        linked = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        found.update(os.path.relpath(os.path.join(root, f), directory).replace(os.sep, "/") for f in files + linked)
     return found
