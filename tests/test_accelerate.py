@@ -367,6 +367,38 @@ def test_refusals_reach_every_rank_at_once(refusals):
 
 
 @pytest.mark.timeout(90)
+def test_a_random_states_file_accelerate_drops_is_refused_naming_it(tmp_path, monkeypatch):
+    """Accelerate loads random_states_0.pkl safely, but one it cannot apply (a torch.save zip of other
+    data, its manifest rewritten to match) it dropped with an INFO line, and the resume went on no
+    longer bit for bit: refused, naming the file and the checkpoint. An untampered one loads."""
+    from accelerate import Accelerator
+    from accelerate.utils import load
+    from tampering import rehash, rewrite_manifest
+    from trainer_workers import tiny_gpt2
+
+    from co2_hf import CO2Accelerate, CO2Config
+
+    monkeypatch.chdir(tmp_path)
+    accelerator, model = Accelerator(cpu=True), tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CO2Accelerate(accelerator, model, optimizer, config=CO2Config(co2_local_steps=2)) as co2:
+        _one_step(model, optimizer, co2)
+        co2.step()
+        co2.save_state("ckpt")
+        saved = torch.get_rng_state()
+        torch.rand(3)  # the RNG moves on; load_state must bring it back
+        co2.load_state("ckpt")
+        assert torch.equal(torch.get_rng_state(), saved)
+        states = load("ckpt/random_states_0.pkl")  # weights_only, as Accelerate reads it
+        for tampered in ({"junk": 1}, {**states, "random_state": (3, (1, 2), None)}):
+            torch.save(tampered, "ckpt/random_states_0.pkl")
+            rewrite_manifest("ckpt", rehash("ckpt"))
+            refusal = "checkpoint ckpt: random_states_0.pkl was not applied by accelerator.load_state"
+            with pytest.raises(ValueError, match=refusal + r".*not be bit for bit"):
+                co2.load_state("ckpt")
+
+
+@pytest.mark.timeout(90)
 def test_a_rerun_replaces_a_finished_runs_save_and_a_live_run_saving_there_is_refused(tmp_path, monkeypatch):
     """As ``accelerator.save_state`` does, a rerun of a script saves over the folder a finished run
     left (it used to be refused: "a checkpoint of another run"); while a run is alive (its block

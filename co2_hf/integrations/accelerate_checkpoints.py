@@ -8,8 +8,9 @@ the Trainer saves); a folder holding other files is refused, never replaced. Fro
 a folder until the block ends the run holds that folder's lease (``checkpoints/lease.py``): a finished
 run's checkpoints there are replaced, a live run's are refused. Loading checks the
 folder on every rank before anything is read (refusing a missing, truncated, corrupted or unlisted
-file by name), runs ``accelerator.load_state``, then restores this rank's own file, read with
-``weights_only=True``. Nothing is registered with ``accelerator.register_for_checkpointing``:
+file by name), runs ``accelerator.load_state``, checks that it applied this rank's RNG file (it drops
+one it cannot apply without a word: `check_random_states_applied`), then restores this rank's own
+file, read with ``weights_only=True``. Nothing is registered with ``accelerator.register_for_checkpointing``:
 Accelerate unpickles those objects as full pickles (``weights_only`` off), so a checkpoint from
 elsewhere could run code; an object the user registered is refused (at construction, ``save_state``
 and ``load_state``). A plain ``accelerator.save_state`` inside the block writes the rank files too
@@ -22,9 +23,13 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import random
 from typing import Any
 
+import numpy as np
 import torch
+from accelerate.utils import RNG_STATE_NAME
+from accelerate.utils import load as accelerate_load
 
 from ..checkpoints import agreement, lease, manifest, publish, rank_files
 from ..core import CO2
@@ -108,6 +113,7 @@ class AccelerateCheckpoints:
             if self._skipped_loads is not None:
                 self._skipped_loads.undo()
                 self._skipped_loads = None
+        agreement.agree(check_random_states_applied, input_dir, rank)
         saved = rank_files.read_rank_state(input_dir, rank, world, require_manifest=False, verify=False)
         rank_files.apply_rank_state(
             saved, co2=self.co2, model=self.module, optimizer=self.optimizer, scaler=self.accelerator.scaler
@@ -192,3 +198,43 @@ def refuse_custom_objects(accelerator: Any, what: str) -> None:
             "register them: save what they hold beside the checkpoint yourself (torch.save of its state_dict(), "
             "read back with torch.load(..., weights_only=True))"
         )
+
+
+def check_random_states_applied(input_dir: str, rank: int) -> None:
+    """Right after ``accelerator.load_state``: this rank's RNGs are those its ``random_states_<rank>.pkl``
+    holds. Accelerate drops a file it cannot apply (a missing key, a foreign object) with an INFO line
+    on the main process only, and the resume goes on, no longer bit for bit; refused here, naming the
+    file and the checkpoint (as CO2Trainer refuses the Trainer's ``rng_state*.pth``)."""
+    name = f"{RNG_STATE_NAME}_{rank}.pkl"
+    path = os.path.join(input_dir, name)
+    try:
+        states = accelerate_load(path)  # as Accelerate read it: weights_only, its allowlist
+        applied = _rng_matches(states)
+    except Exception as error:  # noqa: BLE001 - any failure to read it back means it was not applied
+        applied, why = False, f"{type(error).__name__}: {error}"
+    else:
+        why = "the RNGs after load_state differ from what it holds"
+    if not applied:
+        raise ValueError(
+            f"checkpoint {input_dir}: {name} was not applied by accelerator.load_state ({why}), so the "
+            "resume would not be bit for bit (Accelerate goes on silently). Resume from a checkpoint as it was "
+            "saved, or start from its model"
+        )
+
+
+def _rng_matches(states: dict) -> bool:
+    """Python's, numpy's, torch's CPU and (where present) CUDA generators are at ``states``."""
+    numpy_now, numpy_saved = np.random.get_state(), states["numpy_random_seed"]
+    same = random.getstate() == states["random_state"]
+    same = same and len(numpy_now) == len(numpy_saved)
+    same = same and all(np.array_equal(a, b) for a, b in zip(numpy_now, numpy_saved))
+    same = same and torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+    saved = states.get("torch_cuda_manual_seed")
+    if saved is not None and torch.cuda.is_available():
+        # every device's state (get_rng_state_all) or, saved through torch.accelerator, the current one's
+        many = isinstance(saved, (list, tuple))
+        cuda, saved = (
+            (torch.cuda.get_rng_state_all(), list(saved)) if many else ([torch.cuda.get_rng_state()], [saved])
+        )
+        same = same and len(cuda) == len(saved) and all(torch.equal(a, b) for a, b in zip(cuda, saved))
+    return bool(same)
