@@ -390,9 +390,11 @@ def test_a_random_states_file_accelerate_drops_is_refused_naming_it(tmp_path, mo
         co2.load_state("ckpt")
         assert torch.equal(torch.get_rng_state(), saved)
         states = load("ckpt/random_states_0.pkl")  # weights_only, as Accelerate reads it
-        for tampered in ({"junk": 1}, {**states, "random_state": (3, (1, 2), None)}):
+        bad = ({"junk": 1}, {**states, "random_state": (3, (1, 2), None)}, {**states, "numpy_random_seed": ("x",)})
+        for tampered in bad:
             torch.save(tampered, "ckpt/random_states_0.pkl")
             rewrite_manifest("ckpt", rehash("ckpt"))
+            torch.rand(3)  # as training would, between the save and the resume
             refusal = "checkpoint ckpt: random_states_0.pkl was not applied by accelerator.load_state"
             with pytest.raises(ValueError, match=refusal + r".*not be bit for bit"):
                 co2.load_state("ckpt")
