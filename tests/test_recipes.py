@@ -345,9 +345,10 @@ def test_one_json_file_of_arguments_keeps_the_recipe_defaults(tmp_path):
     import pretrain_gpt
 
     path = tmp_path / "args.json"
-    path.write_text(json.dumps({"output_dir": str(tmp_path), "max_steps": 7, "model_name_or_path": "gpt2"}))
+    # 13 steps: one more than a round of the library's tau 12 (fewer would be refused: no round completes)
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "max_steps": 13, "model_name_or_path": "gpt2"}))
     model_args, _, training_args = pretrain_gpt.parse([str(path)])
-    assert model_args.model_name_or_path == "gpt2" and training_args.max_steps == 7
+    assert model_args.model_name_or_path == "gpt2" and training_args.max_steps == 13
     # the recipe's defaults, and the library's CO2 defaults (the recipes no longer override them)
     assert training_args.learning_rate == 1e-3 and training_args.co2_start_rule == "lookahead"
     path.write_text(json.dumps({"output_dir": str(tmp_path), "image_column_name": "img"}))

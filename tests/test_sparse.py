@@ -296,7 +296,7 @@ def test_a_non_finite_worker_sends_zeros_with_weight_0_and_keeps_its_residual(ca
         (dict(co2_sparse_bits=3), r"co2_sparse_bits=3 is not allowed: it must be 2 or 4"),
         (
             dict(co2_sparse_feedback_decay=0),
-            r"co2_sparse_feedback_decay=0 is not allowed: it must be a number in \(0, 1\]",
+            r"co2_sparse_feedback_decay=0.0 is not allowed: it must be a number in \(0, 1\]",  # stored as float
         ),
         (
             dict(co2_comm_dtype="sparse", co2_quant_block=512),
