@@ -18,9 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .allowed import (
+    CLIP_RANGE,
     CODE_BITS,
+    MAX_GAP_PENALTY,
     MAX_LOCAL_STEPS,
+    MAX_OUTER_LR,
+    MAX_QUANT_BLOCK,
+    MAX_SKIPPED_ROUNDS,
     MAX_SPARSE_BLOCK,  # noqa: F401 (each noqa: a name core/codecs/sparse.py, scripts or tests read from here)
+    MAX_STEPS,
     MIN_TIMEOUT_S,
     SPARSE_BITS,  # noqa: F401
     SPARSE_ONLY,
@@ -63,7 +69,9 @@ class CO2Config:
     co2_local_steps: int = _knob(
         12, f"tau: inner optimizer steps per round, between two outer all-reduces (1 to {MAX_LOCAL_STEPS})."
     )
-    co2_outer_lr: float = _knob(1.0, "alpha: outer learning rate applied to the outer momentum (> 0).")
+    co2_outer_lr: float = _knob(
+        1.0, f"alpha: outer learning rate applied to the outer momentum (0 < alpha <= {MAX_OUTER_LR:g})."
+    )
     co2_outer_momentum: float = _knob(0.2, "beta: outer momentum coefficient (0 <= beta < 1).")
     co2_nesterov: bool = _knob(False, "Use the Nesterov form of the outer momentum.")
     co2_overlap: bool = _knob(
@@ -100,7 +108,8 @@ class CO2Config:
     )
     co2_gap_penalty: float = _knob(
         0.0,
-        "lambda >= 0: strength of the staleness gap penalty; 0 turns it off. Full overlap only: an "
+        f"lambda in [0, {MAX_GAP_PENALTY:g}]: strength of the staleness gap penalty; 0 turns it off. "
+        "Full overlap only: an "
         "average applied in-round (co2_overlap_steps, more than one fragment) is not stale.",
     )
     co2_gap_penalty_mode: PenaltyMode = _knob(
@@ -108,7 +117,9 @@ class CO2Config:
         "'gap_aware': elementwise P = 1/max(1, lambda*|alpha*m|/mean|D|); 'constant': P = 1/max(1, lambda).",
     )
     co2_clip_threshold: float | None = _knob(
-        None, "phi > 0: clip the global L2 norm of the outer momentum to phi; unset: no clipping."
+        None,
+        f"phi in [{CLIP_RANGE[0]:g}, {CLIP_RANGE[1]:g}]: clip the global L2 norm of the outer momentum "
+        "to phi; unset: no clipping.",
     )
     co2_comm_dtype: CommDtype = _knob(
         "float32",
@@ -120,13 +131,14 @@ class CO2Config:
     co2_quant_block: int = _knob(
         128,
         "With co2_comm_dtype int8/int4/sparse: values per block, each block with one float32 "
-        "scale (an even integer >= 2, at most 256 with 'sparse'; smaller blocks are more exact and "
+        f"scale (an even integer in [2, {MAX_QUANT_BLOCK}], at most 256 with 'sparse'; smaller blocks "
+        "are more exact and "
         "send more scales).",
     )
     co2_sparse_density: float = _knob(
         SPARSE_ONLY["co2_sparse_density"],
         "With co2_comm_dtype='sparse': the fraction of each block's values sent, in (0, 1]: "
-        "round(density * co2_quant_block) values per block (at least 1), its largest magnitudes.",
+        "round(density * co2_quant_block) values per block (at least 1), its largest magnitudes; at least 1/256.",
     )
     co2_sparse_bits: int = _knob(
         SPARSE_ONLY["co2_sparse_bits"],
@@ -152,7 +164,9 @@ class CO2Config:
         "(unbiased). Error feedback carries what rounding leaves out to the next round either way.",
     )
     co2_sync_warmup_steps: int = _knob(
-        0, "Inner steps of plain data parallel (gradients averaged every step) before local updating."
+        0,
+        "Inner steps of plain data parallel (gradients averaged every step) before local updating "
+        f"(at most {MAX_STEPS:.0e}, and fewer than --max_steps).",
     )
     co2_worker_size: int = _knob(
         1,
@@ -166,7 +180,8 @@ class CO2Config:
     )
     co2_max_skipped_rounds: int = _knob(
         3,
-        "Consecutive rounds in which no worker is finite before training stops with an error (0: never stop).",
+        "Consecutive rounds in which no worker is finite before training stops with an error "
+        f"(0: never stop; at most {MAX_SKIPPED_ROUNDS}).",
     )
     co2_timeout_s: float = _knob(
         900.0, f"Seconds to wait for an outer all-reduce before failing with a clear error (>= {MIN_TIMEOUT_S:g})."
