@@ -83,7 +83,7 @@ def plot_curves(
     log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss", loss_label: str = "training loss"
 ) -> str:
     """Training loss and the evaluated metric against optimizer steps, as a PNG; the legend sits
-    under the axes, where it covers no point."""
+    under the axes, where it covers no point, in as many columns (3 at most) as fit the figure's width."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +95,7 @@ def plot_curves(
     end = next((i for i, e in enumerate(log_history) if "train_runtime" in e), len(log_history))
     evals = [(e["step"], e[metric]) for e in log_history[:end] if metric in e]
     final = [(e["step"], e[metric]) for e in log_history[end:] if metric in e][-1:]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")  # makes room for the legend
     if train:
         ax.plot(*zip(*train), label=loss_label, alpha=0.6)
     final_label = f"{metric}, final model"
@@ -118,9 +118,12 @@ def plot_curves(
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     ax.grid(alpha=0.3)
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(handles), 3), frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room below the axes for the legend
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(min(len(handles), 3), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
+        if ncol == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            break
+        legend.remove()  # long labels (a world size, a metric's name): fewer columns, more rows
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

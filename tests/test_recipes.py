@@ -539,7 +539,8 @@ def test_vit_checkpoint_with_other_labels_needs_ignore_mismatched_sizes(tmp_path
 
 
 @pytest.mark.timeout(60)
-def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_path, monkeypatch):
+@pytest.mark.parametrize("metric", ["eval_accuracy", "eval_loss"])
+def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_path, monkeypatch, metric):
     from types import SimpleNamespace
 
     import common
@@ -553,16 +554,22 @@ def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_p
     assert label(torchft) == "training loss (replica group 0's own)"  # each replica group is a launch of one
 
     saved = []
+    real_savefig = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
-    history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, "eval_accuracy": 0.9}]
-    history += [{"step": 10, "train_runtime": 1.0}, {"step": 10, "eval_accuracy": 0.92}]  # after training
-    common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric="eval_accuracy", loss_label="L")
+    history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, metric: 0.9}]
+    history += [{"step": 10, "train_runtime": 1.0}, {"step": 10, metric: 0.92}]  # after training
+    loss_label = label(SimpleNamespace(world_size=16, co2_enabled=True))  # the longest label a recipe writes
+    common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric=metric, loss_label=loss_label)
     (fig,) = saved
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     renderer = canvas.get_renderer()
     (legend,) = fig.legends
     texts = [t.get_text() for t in legend.get_texts()]
-    assert texts == ["L", "eval_accuracy (anchor)", "eval_accuracy, final model"]  # both axes' lines
-    below = legend.get_window_extent(renderer).y1
-    assert all(below <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
+    assert texts == [loss_label, f"{metric} (anchor)", f"{metric}, final model"]  # both axes' lines
+    box = legend.get_window_extent(renderer)
+    assert all(box.y1 <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
+    inside = fig.bbox
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, (box, inside)
+    real_savefig(fig, tmp_path / "real.png", dpi=120)  # as plot_curves saves it
+    assert (tmp_path / "real.png").stat().st_size > 10_000
