@@ -12,6 +12,7 @@ import time
 from transformers import TrainerCallback
 
 from co2_hf.integrations import model_card
+from co2_hf.integrations.arguments import resolve_resume_from_checkpoint
 
 # What the recipes set when the command line does not: a short CPU-friendly run that evaluates
 # and logs often enough for a readable curve. Every one can be overridden by its flag.
@@ -51,26 +52,8 @@ def parse_arguments(parser, defaults: dict, argv: list[str] | None):
         parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
         if hasattr(args, "resume_from_checkpoint"):
-            args.resume_from_checkpoint = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+            args.resume_from_checkpoint = resolve_resume_from_checkpoint(args.resume_from_checkpoint, args.output_dir)
     return parsed
-
-
-def resolve_resume(resume, output_dir: str) -> str | None:
-    """``--resume_from_checkpoint``: a folder, or ``true`` (JSON true, or the word on the command line)
-    for the last ``checkpoint-N`` of ``--output_dir``, as ``trainer.train(resume_from_checkpoint=True)``
-    takes it; ``false`` or unset: start afresh."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if resume is False or resume in ("false", "False") or resume is None:
-        return None
-    if resume is True or (resume in ("true", "True") and not os.path.isdir(resume)):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            raise ValueError(f"--resume_from_checkpoint true: --output_dir {output_dir} holds no checkpoint-N folder")
-        return last
-    if not isinstance(resume, str):
-        raise ValueError(f"--resume_from_checkpoint={resume!r}: allowed values are a checkpoint folder or true")
-    return resume
 
 
 def load_accuracy():

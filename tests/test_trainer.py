@@ -218,6 +218,35 @@ def test_resume_with_other_settings_or_world_size_is_refused(suite, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("co2_enabled", [True, False])
+def test_resume_true_as_the_command_line_gives_it_takes_the_last_checkpoint(tmp_path, co2_enabled):
+    """``--resume_from_checkpoint true`` parses to the string "true": train() takes it as True does."""
+    fresh = CO2Trainer(
+        model=tiny_gpt2(), args=make_args(str(tmp_path), co2_enabled=co2_enabled), train_dataset=dataset()
+    )
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint true: --output_dir .* holds no checkpoint-N"):
+        fresh.train(resume_from_checkpoint="true")
+    args = make_args(str(tmp_path), max_steps=8, save_strategy="steps", save_steps=4, co2_enabled=co2_enabled)
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
+    resumed = []
+
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            resumed.append(state.global_step)
+
+    trainer = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(str(tmp_path), co2_enabled=co2_enabled),
+        train_dataset=dataset(),
+        callbacks=[Seen()],
+    )
+    trainer.train(resume_from_checkpoint="TRUE")  # any case, as the recipes take it
+    assert resumed == [8] and trainer.state.global_step == 12  # from checkpoint-8, the last one
+
+
+@pytest.mark.timeout(120)
 def test_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
     args = make_args(str(tmp_path), save_strategy="steps", save_steps=6, save_only_model=True)
     CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
