@@ -186,13 +186,25 @@ def _readme_commands(marker: str) -> list[list[str]]:
 
 
 @pytest.mark.timeout(60)
-def test_paper_scale_commands_parse_and_build_their_config(capsys):
+def test_paper_scale_commands_parse_and_build_their_config(capsys, monkeypatch):
     import finetune_vit
     import pretrain_gpt
+    import yaml
+
+    from co2_hf.integrations import launch
 
     gpt = _readme_commands("pretrain_gpt.py")
     vit = _readme_commands("finetune_vit.py")
     assert len(gpt) >= 2 and len(vit) >= 1
+    # one CO2 worker per node, as multi_node.yaml says and docs/trainer.md explains; checked against the
+    # world that config launches
+    config = yaml.safe_load((ROOT / "recipes/accelerate_configs/multi_node.yaml").read_text())
+    per_node = config["num_processes"] // config["num_machines"]
+    trainer_md = (ROOT / "docs/trainer.md").read_text().replace("\\\n", " ")
+    examples = re.findall(r"multi_node\.yaml train\.py\s+([^\n]*)", trainer_md)
+    assert examples and all(argv[argv.index("--co2_worker_size") + 1] == str(per_node) for argv in gpt + vit)
+    assert all(f"--co2_worker_size {per_node} " in example for example in examples)
+    monkeypatch.setattr(launch, "launched_world_size", lambda: config["num_processes"])
     # --use_cpu: TrainingArguments checks --bf16 against this machine, which has no GPU
     local = ["--dry_run", "--use_cpu", "--output_dir", "/tmp/co2_dry_run"]
     for argv in gpt:
