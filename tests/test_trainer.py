@@ -554,3 +554,20 @@ def test_a_state_that_cannot_be_applied_on_one_rank_fails_every_rank_with_one_me
         assert own_step == peer_step == 4, (tamper, own, peer)  # the checkpoint's step: no step trained
         assert peer == f"rank 1 refused the checkpoint: {own}", (tamper, own, peer)
         assert f"checkpoint {tmp_path}/{tamper}: " in own and cause in own, own
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("rank", "said"), [("0", 1), ("1", 0)])
+def test_no_accelerator_found_is_said_by_rank_0_only(monkeypatch, caplog, rank, said):
+    from types import SimpleNamespace
+
+    from co2_hf.integrations import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    args = SimpleNamespace(use_cpu=False)
+    with caplog.at_level("WARNING", logger=arguments.logger.name):
+        arguments._use_cpu_without_accelerator(args)
+    assert args.use_cpu is True  # on every rank
+    assert sum("no GPU or other accelerator found" in r.getMessage() for r in caplog.records) == said

@@ -183,10 +183,11 @@ def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
     set up one independent process each (world size 1): every replica would train alone."""
     launched = launch.launched_world_size() > 1
     if launched and not args.use_cpu and not torch.accelerator.is_available():
-        logger.warning(
-            "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
-            "set up each launched process as an independent run of its own (world size 1)"
-        )
+        if os.environ.get("RANK", "0") == "0":  # the same on every rank: said once
+            logger.warning(
+                "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
+                "set up each launched process as an independent run of its own (world size 1)"
+            )
         args.use_cpu = True
 
 
