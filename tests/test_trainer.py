@@ -571,3 +571,18 @@ def test_no_accelerator_found_is_said_by_rank_0_only(monkeypatch, caplog, rank, 
         arguments._use_cpu_without_accelerator(args)
     assert args.use_cpu is True  # on every rank
     assert sum("no GPU or other accelerator found" in r.getMessage() for r in caplog.records) == said
+
+
+@pytest.mark.timeout(120)
+def test_co2_scalars_land_in_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = make_args(str(tmp_path), report_to="tensorboard")
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
+    tags = set()
+    for events in tmp_path.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    assert "train/loss" in tags and "train/co2/comm_wait_s" in tags, sorted(tags)
