@@ -12,6 +12,7 @@ import time
 from transformers import TrainerCallback
 
 from co2_hf.integrations import model_card
+from co2_hf.integrations.arguments import parse_or_exit as parse_or_exit  # the recipes parse through it
 from co2_hf.integrations.arguments import resolve_resume_from_checkpoint
 
 # What the recipes set when the command line does not: a short CPU-friendly run that evaluates

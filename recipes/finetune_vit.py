@@ -29,6 +29,7 @@ from common import (
     card_fields,
     load_accuracy,
     parse_arguments,
+    parse_or_exit,
     train_and_report,
     training_defaults,
 )
@@ -308,7 +309,7 @@ def parse(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, training_args = parse(argv)
+    model_args, data_args, training_args = parse_or_exit(parse, argv)
     if model_args.dry_run:
         return dry_run(model_args, data_args, training_args)
     start = time.time()

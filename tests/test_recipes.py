@@ -585,3 +585,25 @@ def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_p
     assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, (box, inside)
     real_savefig(fig, tmp_path / "real.png", dpi=120)  # as plot_curves saves it
     assert (tmp_path / "real.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_refused_setting_is_the_last_line_printed_once_without_a_traceback(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [
+        sys.executable,
+        str(ROOT / "recipes/pretrain_gpt.py"),
+        "--output_dir",
+        str(tmp_path),
+        "--co2_local_steps",
+        "0",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: co2_local_steps=0") and "co2_local_steps=0" in lines[-1]
+    assert done.stderr.count("co2_local_steps=0") == 1 and "Traceback" not in done.stderr

@@ -364,3 +364,17 @@ def resolve_resume_from_checkpoint(resume, output_dir: str | None) -> str | None
     if not isinstance(resume, (str, os.PathLike)):
         raise ValueError(f"--resume_from_checkpoint={resume!r}: allowed values are a checkpoint folder or true")
     return os.fspath(resume)
+
+
+def parse_or_exit(parse, *args, **kwargs):
+    """``parse(*args, **kwargs)``; a refused setting (the ``ValueError`` that validation raises, naming
+    the flag and the allowed values) prints ``error: <message>`` once, on rank 0 only, and exits with
+    status 1, with no traceback: the recipes parse their flags through it."""
+    import sys
+
+    try:
+        return parse(*args, **kwargs)
+    except ValueError as error:
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
