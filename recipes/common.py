@@ -12,6 +12,8 @@ import time
 from transformers import TrainerCallback
 
 from co2_hf.integrations import model_card
+from co2_hf.integrations.arguments import parse_or_exit as parse_or_exit  # the recipes parse through it
+from co2_hf.integrations.arguments import resolve_resume_from_checkpoint
 
 # What the recipes set when the command line does not: a short CPU-friendly run that evaluates
 # and logs often enough for a readable curve. Every one can be overridden by its flag.
@@ -51,26 +53,8 @@ def parse_arguments(parser, defaults: dict, argv: list[str] | None):
         parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
         if hasattr(args, "resume_from_checkpoint"):
-            args.resume_from_checkpoint = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+            args.resume_from_checkpoint = resolve_resume_from_checkpoint(args.resume_from_checkpoint, args.output_dir)
     return parsed
-
-
-def resolve_resume(resume, output_dir: str) -> str | None:
-    """``--resume_from_checkpoint``: a folder, or ``true`` (JSON true, or the word on the command line)
-    for the last ``checkpoint-N`` of ``--output_dir``, as ``trainer.train(resume_from_checkpoint=True)``
-    takes it; ``false`` or unset: start afresh."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if resume is False or resume in ("false", "False") or resume is None:
-        return None
-    if resume is True or (resume in ("true", "True") and not os.path.isdir(resume)):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            raise ValueError(f"--resume_from_checkpoint true: --output_dir {output_dir} holds no checkpoint-N folder")
-        return last
-    if not isinstance(resume, str):
-        raise ValueError(f"--resume_from_checkpoint={resume!r}: allowed values are a checkpoint folder or true")
-    return resume
 
 
 def load_accuracy():
@@ -83,7 +67,7 @@ def plot_curves(
     log_history: list[dict], path: str, *, title: str, metric: str = "eval_loss", loss_label: str = "training loss"
 ) -> str:
     """Training loss and the evaluated metric against optimizer steps, as a PNG; the legend sits
-    under the axes, where it covers no point."""
+    under the axes, where it covers no point, in as many columns (3 at most) as fit the figure's width."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +79,7 @@ def plot_curves(
     end = next((i for i, e in enumerate(log_history) if "train_runtime" in e), len(log_history))
     evals = [(e["step"], e[metric]) for e in log_history[:end] if metric in e]
     final = [(e["step"], e[metric]) for e in log_history[end:] if metric in e][-1:]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")  # makes room for the legend
     if train:
         ax.plot(*zip(*train), label=loss_label, alpha=0.6)
     final_label = f"{metric}, final model"
@@ -118,9 +102,12 @@ def plot_curves(
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     ax.grid(alpha=0.3)
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(handles), 3), frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room below the axes for the legend
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(min(len(handles), 3), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
+        if ncol == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            break
+        legend.remove()  # long labels (a world size, a metric's name): fewer columns, more rows
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -9,7 +9,7 @@ With no data flag it trains, offline, a small ViT built from a config on scikit-
 handwritten digits (1,797 8x8 images, 10 classes), upscaled to 16x16, with a stratified held-out
 fifth, without augmentation (a flipped digit is another digit; the README's results are measured
 so). Other data gets run_image_classification's transforms, built from the image processor's size,
-mean and std with PIL and torch (torchvision's CPU-free wheel would replace the CPU torch):
+mean and std with PIL and torch (installing torchvision from PyPI would pull a CUDA build of torch over the CPU one):
 random resized crop and horizontal flip for training, resize and center crop for evaluation. The
 processor is saved with the model, so ``pipeline("image-classification", model=output_dir)`` works.
 Accuracy is computed with an `evaluate` metric that ships in recipes/metrics/ (no Hub access).
@@ -29,6 +29,7 @@ from common import (
     card_fields,
     load_accuracy,
     parse_arguments,
+    parse_or_exit,
     train_and_report,
     training_defaults,
 )
@@ -308,7 +309,7 @@ def parse(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, training_args = parse(argv)
+    model_args, data_args, training_args = parse_or_exit(parse, argv)
     if model_args.dry_run:
         return dry_run(model_args, data_args, training_args)
     start = time.time()

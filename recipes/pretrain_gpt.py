@@ -31,6 +31,7 @@ from common import (
     card_fields,
     load_accuracy,
     parse_arguments,
+    parse_or_exit,
     train_and_report,
     training_defaults,
 )
@@ -428,7 +429,7 @@ def check(model_args: ModelArguments, data_args: DataArguments, training_args) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, training_args = parse(argv)
+    model_args, data_args, training_args = parse_or_exit(parse, argv)
     if model_args.dry_run:
         return dry_run(model_args, data_args, training_args)
     start = time.time()

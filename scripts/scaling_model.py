@@ -2,6 +2,8 @@
 
     python scripts/scaling_model.py                                   # the paper's setting
     python scripts/scaling_model.py --measured results/bench_bandwidth.jsonl  # first, the model vs a benchmark
+    python -m scripts.scaling_model --params 124e6 --bandwidth-gbps 1 --step-time-s 0.3 [--workers N]
+                                          # the smallest co2_local_steps (tau) that hides the all-reduce, per wire
 
 Inputs: compute time per step ``c``, parameter count ``P``, bytes per element on the wire, link
 bandwidth ``B`` (bits/s per node, full duplex), worker count ``G`` and ``tau``. A ring all-reduce
@@ -88,9 +90,11 @@ def fragment_fits(
     tau: int,
     fragments: int,
     latency_s: float = 0.0,
+    bytes_per_element: float = 4.0,
 ) -> bool:
     """Whether one fragment's all-reduce, latency included, lands within its tau / F steps."""
-    comm = ring_allreduce_s(params * 4 / fragments, workers, bandwidth_bps) + 2 * (workers - 1) * latency_s
+    nbytes = params * bytes_per_element / fragments
+    comm = ring_allreduce_s(nbytes, workers, bandwidth_bps) + 2 * (workers - 1) * latency_s
     return comm <= tau // fragments * compute_s
 
 
@@ -180,13 +184,53 @@ def check_measured(path: str) -> None:
         )
 
 
-def main() -> None:
+# bytes per element of each co2_comm_dtype wire (int8's and int4's per-block scales left out)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+WIRE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # --co2_comm_dtype's values
+
+
+def smallest_tau(compute_s: float, params: float, bandwidth_bps: float, workers: int, wire: str, limit: int = 100_000):
+    """The smallest tau whose all-reduce, cut into tau fragments (the defaults' streaming form), hides
+    behind the compute (`fragment_fits`); None beyond ``limit``."""
+    for tau in range(1, limit + 1):
+        if fragment_fits(
+            compute_s, params, bandwidth_bps, workers, tau=tau, fragments=tau, bytes_per_element=WIRE_BYTES[wire]
+        ):
+            return tau
+    return None
+
+
+def print_smallest_tau(params: float, bandwidth_gbps: float, step_time_s: float, workers: int) -> None:
+    print(
+        f"{params:.3g} parameters, {workers} workers, {bandwidth_gbps:g} Gbit/s per node, {step_time_s:g} s per step:"
+    )
+    print("| wire | --co2_comm_dtype | smallest --co2_local_steps (tau) that hides the all-reduce |")
+    print("|---|---|---|")
+    for wire in WIRE_BYTES:
+        tau = smallest_tau(step_time_s, params, bandwidth_gbps * 1e9, workers, wire)
+        print(f"| {wire} | {WIRE_FLAG[wire]} | {tau if tau is not None else 'over 100000'} |")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", help="a bench_bandwidth.py JSON-lines file to check the model against")
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed A100 model-FLOPs utilisation")
     parser.add_argument("--tau", type=int, default=48, help="CO2's tau in the paper's setting")
     parser.add_argument("--tokens-7b", type=int, default=2048, help="assumed tokens per GPU per step, 7B model")
-    args = parser.parse_args()
+    parser.add_argument("--params", type=float, help="the model's parameter count: print the smallest tau per wire")
+    parser.add_argument("--bandwidth-gbps", type=float, default=1.0, help="link between workers, Gbit/s per node")
+    parser.add_argument("--step-time-s", type=float, default=0.3, help="seconds of one optimizer step's compute")
+    parser.add_argument("--workers", type=int, default=2, help="CO2 workers (nodes with --co2_worker_size)")
+    args = parser.parse_args(argv)
+    if args.params is not None:
+        for flag, value in (("--params", args.params), ("--bandwidth-gbps", args.bandwidth_gbps)):
+            if not value > 0:
+                parser.error(f"{flag}={value:g}: allowed values are numbers > 0")
+        if not args.step_time_s > 0:
+            parser.error(f"--step-time-s={args.step_time_s:g}: allowed values are numbers > 0")
+        if args.workers < 1:
+            parser.error(f"--workers={args.workers}: allowed values are integers >= 1")
+        return print_smallest_tau(args.params, args.bandwidth_gbps, args.step_time_s, args.workers)
     if args.measured:
         check_measured(args.measured)
     print_paper_comparison(args.mfu, args.tau, args.tokens_7b)

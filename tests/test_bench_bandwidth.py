@@ -6,7 +6,10 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from scripts.bandwidth import analysis, cli, compare, netns, plan, worker
 from scripts.bench_overlap import SEQ
 
 pytestmark = pytest.mark.research  # the benchmark code of scripts/
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dry_run_commands(capsys, *argv: str) -> list[str]:
@@ -253,6 +257,32 @@ def test_scaling_model_formulas_by_hand():
     assert sm.scalability("co2", *args[:3], 2, 4, tau=4) == pytest.approx(1.0)
     assert sm.gpt2_params(plan.MODELS["small"]) == 10_293_504  # counted by torch on the real model
     assert sm.gpt2_params(sm.GPT2_SMALL) == 124_439_808  # GPT-2 small as published by OpenAI/HF
+
+
+@pytest.mark.timeout(60)
+def test_scaling_model_cli_prints_the_smallest_tau_per_wire():
+    flags = ["--params", "124e6", "--bandwidth-gbps", "1", "--step-time-s", "0.3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.scaling_model", *flags], cwd=ROOT, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr
+    rows = dict(re.findall(r"^\| (fp32|bf16|int8|int4) \| \w+ \| (\d+) \|$", done.stdout, re.M))
+    # fp32 over 2 workers at 1 Gbit/s: 2 (1/2) 124e6 * 32 bit / 1e9 = 3.97 s, over 0.3 s steps: 13.2 -> 14
+    assert rows == {"fp32": "14", "bf16": "7", "int8": "4", "int4": "2"}
+    for tau, wire in ((14, "fp32"), (4, "int8")):  # the smallest: one step less does not hide it
+        bytes_ = sm.WIRE_BYTES[wire]
+        fits = [
+            sm.fragment_fits(0.3, 124e6, 1e9, 2, tau=t, fragments=t, bytes_per_element=bytes_) for t in (tau - 1, tau)
+        ]
+        assert fits == [False, True]
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.scaling_model", *flags, "--workers", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 2 and "--workers=0: allowed values are integers >= 1" in done.stderr
 
 
 @pytest.mark.timeout(10)

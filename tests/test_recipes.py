@@ -186,13 +186,25 @@ def _readme_commands(marker: str) -> list[list[str]]:
 
 
 @pytest.mark.timeout(60)
-def test_paper_scale_commands_parse_and_build_their_config(capsys):
+def test_paper_scale_commands_parse_and_build_their_config(capsys, monkeypatch):
     import finetune_vit
     import pretrain_gpt
+    import yaml
+
+    from co2_hf.integrations import launch
 
     gpt = _readme_commands("pretrain_gpt.py")
     vit = _readme_commands("finetune_vit.py")
     assert len(gpt) >= 2 and len(vit) >= 1
+    # one CO2 worker per node, as multi_node.yaml says and docs/trainer.md explains; checked against the
+    # world that config launches
+    config = yaml.safe_load((ROOT / "recipes/accelerate_configs/multi_node.yaml").read_text())
+    per_node = config["num_processes"] // config["num_machines"]
+    trainer_md = (ROOT / "docs/trainer.md").read_text().replace("\\\n", " ")
+    examples = re.findall(r"multi_node\.yaml train\.py\s+([^\n]*)", trainer_md)
+    assert examples and all(argv[argv.index("--co2_worker_size") + 1] == str(per_node) for argv in gpt + vit)
+    assert all(f"--co2_worker_size {per_node} " in example for example in examples)
+    monkeypatch.setattr(launch, "launched_world_size", lambda: config["num_processes"])
     # --use_cpu: TrainingArguments checks --bf16 against this machine, which has no GPU
     local = ["--dry_run", "--use_cpu", "--output_dir", "/tmp/co2_dry_run"]
     for argv in gpt:
@@ -540,7 +552,8 @@ def test_vit_checkpoint_with_other_labels_needs_ignore_mismatched_sizes(tmp_path
 
 
 @pytest.mark.timeout(60)
-def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_path, monkeypatch):
+@pytest.mark.parametrize("metric", ["eval_accuracy", "eval_loss"])
+def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_path, monkeypatch, metric):
     from types import SimpleNamespace
 
     import common
@@ -554,16 +567,44 @@ def test_the_curve_says_whose_loss_it_plots_and_its_legend_covers_no_point(tmp_p
     assert label(torchft) == "training loss (replica group 0's own)"  # each replica group is a launch of one
 
     saved = []
+    real_savefig = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
-    history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, "eval_accuracy": 0.9}]
-    history += [{"step": 10, "train_runtime": 1.0}, {"step": 10, "eval_accuracy": 0.92}]  # after training
-    common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric="eval_accuracy", loss_label="L")
+    history = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 11)] + [{"step": 10, metric: 0.9}]
+    history += [{"step": 10, "train_runtime": 1.0}, {"step": 10, metric: 0.92}]  # after training
+    loss_label = label(SimpleNamespace(world_size=16, co2_enabled=True))  # the longest label a recipe writes
+    common.plot_curves(history, str(tmp_path / "c.png"), title="t", metric=metric, loss_label=loss_label)
     (fig,) = saved
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     renderer = canvas.get_renderer()
     (legend,) = fig.legends
     texts = [t.get_text() for t in legend.get_texts()]
-    assert texts == ["L", "eval_accuracy (anchor)", "eval_accuracy, final model"]  # both axes' lines
-    below = legend.get_window_extent(renderer).y1
-    assert all(below <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
+    assert texts == [loss_label, f"{metric} (anchor)", f"{metric}, final model"]  # both axes' lines
+    box = legend.get_window_extent(renderer)
+    assert all(box.y1 <= ax.get_window_extent(renderer).y0 for ax in fig.axes)  # under the axes, over no point
+    inside = fig.bbox
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, (box, inside)
+    real_savefig(fig, tmp_path / "real.png", dpi=120)  # as plot_curves saves it
+    assert (tmp_path / "real.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_refused_setting_is_the_last_line_printed_once_without_a_traceback(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [
+        sys.executable,
+        str(ROOT / "recipes/pretrain_gpt.py"),
+        "--output_dir",
+        str(tmp_path),
+        "--co2_local_steps",
+        "0",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: co2_local_steps=0") and "co2_local_steps=0" in lines[-1]
+    assert done.stderr.count("co2_local_steps=0") == 1 and "Traceback" not in done.stderr

@@ -218,6 +218,35 @@ def test_resume_with_other_settings_or_world_size_is_refused(suite, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("co2_enabled", [True, False])
+def test_resume_true_as_the_command_line_gives_it_takes_the_last_checkpoint(tmp_path, co2_enabled):
+    """``--resume_from_checkpoint true`` parses to the string "true": train() takes it as True does."""
+    fresh = CO2Trainer(
+        model=tiny_gpt2(), args=make_args(str(tmp_path), co2_enabled=co2_enabled), train_dataset=dataset()
+    )
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint true: --output_dir .* holds no checkpoint-N"):
+        fresh.train(resume_from_checkpoint="true")
+    args = make_args(str(tmp_path), max_steps=8, save_strategy="steps", save_steps=4, co2_enabled=co2_enabled)
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
+    resumed = []
+
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            resumed.append(state.global_step)
+
+    trainer = CO2Trainer(
+        model=tiny_gpt2(),
+        args=make_args(str(tmp_path), co2_enabled=co2_enabled),
+        train_dataset=dataset(),
+        callbacks=[Seen()],
+    )
+    trainer.train(resume_from_checkpoint="TRUE")  # any case, as the recipes take it
+    assert resumed == [8] and trainer.state.global_step == 12  # from checkpoint-8, the last one
+
+
+@pytest.mark.timeout(120)
 def test_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
     args = make_args(str(tmp_path), save_strategy="steps", save_steps=6, save_only_model=True)
     CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
@@ -525,3 +554,35 @@ def test_a_state_that_cannot_be_applied_on_one_rank_fails_every_rank_with_one_me
         assert own_step == peer_step == 4, (tamper, own, peer)  # the checkpoint's step: no step trained
         assert peer == f"rank 1 refused the checkpoint: {own}", (tamper, own, peer)
         assert f"checkpoint {tmp_path}/{tamper}: " in own and cause in own, own
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("rank", "said"), [("0", 1), ("1", 0)])
+def test_no_accelerator_found_is_said_by_rank_0_only(monkeypatch, caplog, rank, said):
+    from types import SimpleNamespace
+
+    from co2_hf.integrations import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    args = SimpleNamespace(use_cpu=False)
+    with caplog.at_level("WARNING", logger=arguments.logger.name):
+        arguments._use_cpu_without_accelerator(args)
+    assert args.use_cpu is True  # on every rank
+    assert sum("no GPU or other accelerator found" in r.getMessage() for r in caplog.records) == said
+
+
+@pytest.mark.timeout(120)
+def test_co2_scalars_land_in_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = make_args(str(tmp_path), report_to="tensorboard")
+    CO2Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()).train()
+    tags = set()
+    for events in tmp_path.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    assert "train/loss" in tags and "train/co2/comm_wait_s" in tags, sorted(tags)

@@ -188,10 +188,11 @@ def _use_cpu_without_accelerator(args: CO2TrainingArguments) -> None:
     set up one independent process each (world size 1): every replica would train alone."""
     launched = launch.launched_world_size() > 1
     if launched and not args.use_cpu and not torch.accelerator.is_available():
-        logger.warning(
-            "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
-            "set up each launched process as an independent run of its own (world size 1)"
-        )
+        if os.environ.get("RANK", "0") == "0":  # the same on every rank: said once
+            logger.warning(
+                "CO2: no GPU or other accelerator found: use_cpu set to True, else TrainingArguments would "
+                "set up each launched process as an independent run of its own (world size 1)"
+            )
         args.use_cpu = True
 
 
@@ -345,3 +346,40 @@ def _follow_ddp_timeout(args: CO2TrainingArguments) -> None:
         logger.warning("CO2: this torch cannot change the default group's timeout (ddp_timeout)")
         return
     set_timeout(datetime.timedelta(seconds=args.ddp_timeout))
+
+
+def resolve_resume_from_checkpoint(resume, output_dir: str | None) -> str | None:
+    """What ``--resume_from_checkpoint`` (or ``Trainer.train(resume_from_checkpoint=...)``) names: a
+    checkpoint folder; ``True`` or the word ``true`` (any case; a folder of that name is a folder) for
+    the last ``checkpoint-N`` of ``output_dir`` (transformers' ``get_last_checkpoint``); ``None``,
+    ``False`` or ``false``: start afresh. ``CO2Trainer.train`` and the recipes both resolve it here."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    word = resume.lower() if isinstance(resume, str) and not os.path.isdir(resume) else None
+    if resume is None or resume is False or word == "false":
+        return None
+    if resume is True or word == "true":
+        last = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(
+                f"--resume_from_checkpoint true: --output_dir {output_dir} holds no checkpoint-N folder; "
+                "allowed values are a checkpoint folder, or true once output_dir holds one"
+            )
+        return last
+    if not isinstance(resume, (str, os.PathLike)):
+        raise ValueError(f"--resume_from_checkpoint={resume!r}: allowed values are a checkpoint folder or true")
+    return os.fspath(resume)
+
+
+def parse_or_exit(parse, *args, **kwargs):
+    """``parse(*args, **kwargs)``; a refused setting (the ``ValueError`` that validation raises, naming
+    the flag and the allowed values) prints ``error: <message>`` once, on rank 0 only, and exits with
+    status 1, with no traceback: the recipes parse their flags through it."""
+    import sys
+
+    try:
+        return parse(*args, **kwargs)
+    except ValueError as error:
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)

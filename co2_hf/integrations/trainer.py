@@ -70,13 +70,17 @@ import os
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..config import CO2Config
 from ..core import CO2
 from ..core.schedule import Plan
 from . import fault_tolerance, launch, model_card
-from .arguments import CO2TrainingArguments, _follow_ddp_timeout, refuse_data_parallel
+from .arguments import (
+    CO2TrainingArguments,
+    _follow_ddp_timeout,
+    refuse_data_parallel,
+    resolve_resume_from_checkpoint,
+)
 from .fault_tolerance import ReplicaOverrides
 from .trainer_checkpoints import CheckpointOverrides
 
@@ -157,14 +161,14 @@ class CO2Trainer(CheckpointOverrides, ReplicaOverrides, Trainer):
     # ------------------------------------------------------------------ training
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """``Trainer.train``; a CO2 checkpoint is checked to be complete before any file is read."""
-        if self.co2_config is not None and resume_from_checkpoint not in (None, False):
-            if resume_from_checkpoint is True:  # the Trainer's own lookup; None: let it raise its error
-                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
-            if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+        """``Trainer.train``; ``resume_from_checkpoint`` may also be the string ``"true"`` (what
+        ``--resume_from_checkpoint true`` parses to), resolved as ``True`` is (`resolve_resume_from_checkpoint`);
+        a CO2 checkpoint is checked to be complete before any file is read."""
+        resume_from_checkpoint = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if self.co2_config is not None and resume_from_checkpoint is not None:
+            if not os.path.isdir(resume_from_checkpoint):
                 raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: no such folder")
-            if resume_from_checkpoint is not True:
-                self._check_resumable(resume_from_checkpoint)
+            self._check_resumable(resume_from_checkpoint)
         if self.co2_config is None:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         with self._training_alone_in_output_dir():
