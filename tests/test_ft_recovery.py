@@ -134,7 +134,7 @@ def test_a_state_moves_between_the_job_s_replicas_and_no_object_is_loaded():
         peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
         got = _recv(replacement, peer.metadata())
         assert torch.equal(got["user"]["model"]["w"], torch.arange(4.0)) and got["torchft"]["step"] == 3
-        with pytest.raises(urllib.error.HTTPError, match="404"):  # nothing staged for that step (1 s)
+        with pytest.raises(RecoveryRefused, match="HTTP 404"):  # nothing staged for that step (1 s)
             _recv(replacement, peer.metadata(), step=4)
         # a replica of the job that sends a pickled object (code to run on load): weights_only=True
         with _answering(_signed(pickle.dumps({"user": _Exploit()}, protocol=2), PLANNED)) as rogue:
@@ -185,13 +185,13 @@ def test_a_request_without_the_job_s_secret_gets_403_and_nothing_of_the_state(ca
         with caplog.at_level(logging.WARNING, logger="co2_hf.torchft.transport"):
             for ask in (lambda: _recv(rogue, peer.metadata()), lambda: urllib.request.urlopen(peer.metadata() + "/3")):
                 start = time.monotonic()
-                with pytest.raises(urllib.error.HTTPError, match="403") as refused:
+                with pytest.raises((urllib.error.HTTPError, RecoveryRefused), match="403"):
                     ask()
-                assert refused.value.read() != _saved(_state()) and time.monotonic() - start < 0.9
+                assert time.monotonic() - start < 0.9
         warnings = [r.getMessage() for r in caplog.records if "refused a recovery request" in r.getMessage()]
         assert len(warnings) == 1 and "from 127.0.0.1: not signed with this job's secret" in warnings[0]
         # signed with the job's secret but for a replica torchft did not name: nothing (404)
-        with _running(_transport(2)) as (stranger,), pytest.raises(urllib.error.HTTPError, match="404"):
+        with _running(_transport(2)) as (stranger,), pytest.raises(RecoveryRefused, match="HTTP 404"):
             stranger.recv_checkpoint(0, peer.metadata(), step=3, timeout=timedelta(seconds=5))
 
 
@@ -224,6 +224,46 @@ def test_a_body_beyond_what_this_replica_accepts_is_refused_unread(head, pieces,
         start = time.monotonic()
         with pytest.raises(RecoveryRefused, match=refused):
             _recv(replacement, rogue, timeout_s=1.5)
+        assert time.monotonic() - start < 3.0
+
+
+@contextlib.contextmanager
+def _trickling(answer: bytes, *, every_s: float) -> Iterator[str]:
+    """A peer's address whose server reads a request, then sends ``answer`` one byte every
+    ``every_s`` seconds (a source that holds its receiver, each read within any read timeout)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                for byte in answer:
+                    if stop.wait(every_s):
+                        return
+                    connection.sendall(bytes([byte]))
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/co2"
+    finally:
+        stop.set()
+        listener.close()
+
+
+_SLOW_HEAD = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n" + b"X-Pad: x\r\n" * 40
+_SLOW_BODY = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"\0" * 100
+
+
+@pytest.mark.parametrize("answer, every_s", [(_SLOW_HEAD, 0.5), (_SLOW_BODY, 0.05)], ids=["status_line", "body"])
+def test_a_source_that_trickles_its_answer_is_cut_off_at_the_recovery_timeout(answer, every_s):
+    """A peer that claims the highest step is the recovery source: sending its status line, headers
+    or body a byte at a time, it holds the replica no longer than the timeout (the whole exchange)."""
+    with _running(_transport(1)) as (replacement,), _trickling(answer, every_s=every_s) as rogue:
+        start = time.monotonic()
+        with pytest.raises(RecoveryRefused, match="did not (answer within the recovery timeout|arrive in time)"):
+            _recv(replacement, rogue, timeout_s=2.0)
         assert time.monotonic() - start < 3.0
 
 
@@ -272,7 +312,7 @@ def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
                 try:
                     _recv(healer, peer.metadata(), step=1)
                     served_when_asking.append(True)
-                except urllib.error.HTTPError:
+                except RecoveryRefused:
                     served_when_asking.append(False)
 
             def current_step(self) -> int:

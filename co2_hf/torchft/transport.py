@@ -24,15 +24,17 @@ Needs torchft (the ``ft`` extra); `ft.py` uses it, nothing else imports it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import http.client
 import io
 import logging
 import os
+import socket
 import stat
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -239,11 +241,8 @@ class RecoveryTransport(CheckpointTransport):
         url = f"{metadata}/{step}"
         asked = {HEADER + name: str(value) for name, value in zip(("Quorum", "From", "To"), planned[1:])}
         asked[HEADER + "HMAC"] = sign(self._secret, "co2/get", *planned)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a peer, never a proxy
-        deadline = time.monotonic() + timeout.total_seconds()
-        with opener.open(urllib.request.Request(url, headers=asked), timeout=timeout.total_seconds()) as response:
-            data = _read_bounded(response, limit=limit, deadline=deadline, url=url)
-            self._check_answer(response.headers, data, planned, url)
+        headers, data = _exchange(url, asked, limit=limit, timeout_s=timeout.total_seconds())
+        self._check_answer(headers, data, planned, url)
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
     def _check_answer(self, headers: Any, data: bytes, planned: tuple[int, ...], url: str) -> None:
@@ -352,6 +351,57 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(errors="replace"), expected.encode())
 
 
+class _Alarm:
+    """Shuts ``sock`` down after ``seconds`` unless cancelled: a blocked read or write on it then
+    returns at once. A socket's own timeout bounds each read, so a peer that sends one byte at a
+    time holds it forever; this bounds the whole exchange."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.fired = False
+        self._sock = sock
+        self._timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _exchange(url: str, asked: dict[str, str], *, limit: int, timeout_s: float) -> tuple[Any, bytes]:
+    """GET ``url`` (``http://host:port/path``) with headers ``asked``, directly (a peer, never a
+    proxy): the answer's headers and body, the whole exchange (connect, status line, headers,
+    body) within ``timeout_s``, else RecoveryRefused. Any status but 200 is refused."""
+    address, _, path = url[len("http://") :].partition("/")
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    connection = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
+    alarm = None
+    try:
+        connection.connect()
+        alarm = _Alarm(connection.sock, deadline - time.monotonic())
+        connection.request("GET", "/" + path, headers=asked)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RecoveryRefused(f"CO2: {url} answered HTTP {response.status} {response.reason}: nothing loaded")
+        return response.headers, _read_bounded(response, limit=limit, deadline=deadline, url=url)
+    except (OSError, http.client.HTTPException) as error:
+        if (alarm is not None and alarm.fired) or time.monotonic() >= deadline or isinstance(error, TimeoutError):
+            raise RecoveryRefused(
+                f"CO2: the recovery source {url} did not answer within the recovery timeout ({timeout_s:g} s): "
+                "refused, nothing loaded"
+            ) from None
+        raise RecoveryRefused(f"CO2: the exchange with the recovery source {url} failed: {error!r}") from error
+    finally:
+        if alarm is not None:
+            alarm.cancel()
+        connection.close()
+
+
 def _read_bounded(response: Any, *, limit: int, deadline: float, url: str) -> bytes:
     """The body of ``response``: refused unread beyond ``limit`` bytes (from its Content-Length),
     read one piece at a time (``read1``: a single receive each, so a slow peer meets the deadline)."""
@@ -369,6 +419,8 @@ def _read_bounded(response: Any, *, limit: int, deadline: float, url: str) -> by
         if time.monotonic() > deadline:
             raise RecoveryRefused(f"CO2: the state from {url} did not arrive in time ({got} of {length} bytes)")
         piece = response.read1(min(PIECE, length - got))
+        if not piece and time.monotonic() >= deadline:  # the alarm shut the socket down
+            raise RecoveryRefused(f"CO2: the state from {url} did not arrive in time ({got} of {length} bytes)")
         if not piece:
             raise RecoveryRefused(f"CO2: the state from {url} ended after {got} of its {length} bytes")
         pieces.append(piece)
