@@ -97,8 +97,14 @@ def _third_party_imports(folder: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     "folder, extras",
     # the ft extra's torchft: imported by co2_hf/torchft/ and tests/test_ft.py
-    # (which skips without it)
-    [("co2_hf", ("ft",)), ("recipes", ("recipes",)), ("scripts", ("recipes", "ft")), ("tests", ("test", "ft"))],
+    # (which skips without it); the tensorboard extra's tensorboard: tests/test_trainer.py's event-file
+    # test (skips without it)
+    [
+        ("co2_hf", ("ft",)),
+        ("recipes", ("recipes",)),
+        ("scripts", ("recipes", "ft")),
+        ("tests", ("test", "ft", "tensorboard")),
+    ],
 )
 def test_every_import_is_declared_for_its_folder(folder, extras):
     providers = importlib.metadata.packages_distributions()  # module -> the installed distributions
