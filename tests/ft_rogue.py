@@ -3,6 +3,7 @@ anyone who reaches the Lighthouse can try (docs/reliability.md, "torchft: who ca
 
     python tests/ft_rogue.py --out FILE --claim_step 100000 --seconds 4   # ahead: offers poisoned weights
     python tests/ft_rogue.py --out FILE --claim_step 0                    # behind: asks for the live state
+    python tests/ft_rogue.py --out FILE --claim_step 100000 --trickle_s 2  # ahead: answers a byte each 2 s
 
 It runs torchft's own Manager (a ManagerServer, a store, a gloo group) under the Lighthouse that
 TORCHFT_LIGHTHOUSE names, without the job's secret. Its state is that of tests/ft_workers.py's
@@ -10,7 +11,8 @@ model and engine with every weight set to 40.81, and the step it claims. Its tra
 anyone who asks with that state, in the form CO2's transport answers (the claim the receiver
 expects, the body's SHA-256, an HMAC under a guessed secret). Behind the others, it asks its
 recovery source for the live state with a request signed by a guessed secret, and appends what it
-got (HTTP status, bytes) to ``--out``.
+got (HTTP status, bytes) to ``--out``. With ``--trickle_s``, it sends its answer's status line and
+headers one byte every so many seconds (each read within any read timeout), to hold whoever heals.
 """
 
 from __future__ import annotations
@@ -60,11 +62,18 @@ def poisoned_state(claim_step: int) -> bytes:
 class RogueTransport(CheckpointTransport):
     """Serves the poisoned state to any request; asks a peer for its state without the secret."""
 
-    def __init__(self, host: str, body: bytes, claim_step: int, out: str) -> None:
+    def __init__(self, host: str, body: bytes, claim_step: int, out: str, trickle_s: float = 0.0) -> None:
         self.out, self.asked = out, False
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
+                if trickle_s:
+                    head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n" + b"X-Pad: x\r\n" * 100
+                    for byte in head:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(trickle_s)
+                    return
                 claim = [str(claim_step)] + [self.headers.get(f"X-CO2-{n}", "0") for n in ("Quorum", "From", "To")]
                 digest = hashlib.sha256(body).hexdigest()
                 tag = hmac.new(GUESS, "\n".join(["co2/state", *claim, str(len(body)), digest]).encode(), "sha256")
@@ -113,6 +122,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--claim_step", type=int, required=True)
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--trickle_s", type=float, default=0.0)
     a = parser.parse_args()
     host, timeout = "127.0.0.1", timedelta(seconds=5)
     store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -131,7 +141,9 @@ def main() -> None:
         lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
         replica_id="co2_rogue",
         hostname=host,
-        checkpoint_transport=(transport := RogueTransport(host, poisoned_state(a.claim_step), a.claim_step, a.out)),
+        checkpoint_transport=(
+            transport := RogueTransport(host, poisoned_state(a.claim_step), a.claim_step, a.out, a.trickle_s)
+        ),
         init_sync=True,
     )
     manager.register_state_dict_fn("model", lambda _: None, lambda: {})

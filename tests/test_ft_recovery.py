@@ -34,6 +34,7 @@ from co2_hf.torchft.transport import (  # noqa: E402
     Position,
     RecoveryRefused,
     RecoveryTransport,
+    SecretRefused,
     job_secret,
     sign,
     size_limit,
@@ -54,7 +55,7 @@ def _transport(rank: int, *, secret: bytes = SECRET, timeout_s: float = 5.0, **k
         "127.0.0.1",
         timedelta(seconds=timeout_s),
         secret=secret,
-        position=lambda: Position(QUORUM, rank),
+        position=lambda: Position(QUORUM, rank, "127.0.0.1"),  # every source here is on 127.0.0.1
         own_state=_state,
         **kwargs,
     )
@@ -188,6 +189,9 @@ def test_a_request_without_the_job_s_secret_gets_403_and_nothing_of_the_state(ca
                 with pytest.raises((urllib.error.HTTPError, RecoveryRefused), match="403"):
                     ask()
                 assert time.monotonic() - start < 0.9
+            told = f"different secrets \\({SECRET_ENV}, or the file {SECRET_FILE_ENV}"
+            with pytest.raises(SecretRefused, match=told):
+                _recv(rogue, peer.metadata())  # the replica refused is told where the secret comes from
         warnings = [r.getMessage() for r in caplog.records if "refused a recovery request" in r.getMessage()]
         assert len(warnings) == 1 and "from 127.0.0.1: not signed with this job's secret" in warnings[0]
         # signed with the job's secret but for a replica torchft did not name: nothing (404)
@@ -284,13 +288,13 @@ def test_the_size_limit_admits_the_state_a_replacement_s_fresh_optimizer_lacks()
 
 def test_the_recovery_server_runs_at_most_max_requests_connections_at_once():
     """30 connections that never send a request (a flood, or a slow client) start no more than 4
-    server threads; each is closed after the timeout, and the transport then serves its peer."""
+    server threads (and their 4 alarms); each is closed after the timeout, and the transport then serves its peer."""
     with _running(_transport(0, timeout_s=1, max_requests=4), _transport(1)) as (peer, replacement):
         before = threading.active_count()
         port = int(peer.metadata().rsplit(":", 1)[1].split("/")[0])
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
         time.sleep(0.3)
-        assert threading.active_count() - before <= 4
+        assert threading.active_count() - before <= 2 * 4  # a thread and its alarm for each slot
         time.sleep(1.5)  # their timeout: the slots are free again
         peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
         assert _recv(replacement, peer.metadata())["torchft"]["step"] == 3
@@ -320,6 +324,9 @@ def test_a_snapshot_staged_for_one_quorum_is_never_served_in_the_next():
 
             def num_participants(self) -> int:
                 return 2
+
+            def errored(self) -> None:
+                return None
 
         # no process group: a quorum does not touch it (only a coded wire's collectives do)
         comm = TorchFTCommunicator(
@@ -382,3 +389,152 @@ def test_ft_launch_makes_a_secret_only_its_user_reads_and_removes_it(monkeypatch
     monkeypatch.setenv(SECRET_ENV, "the user's own secret")  # the user's is passed on as it is
     with launcher_secret() as given:
         assert given == {SECRET_ENV: "the user's own secret"}
+
+
+@pytest.mark.parametrize(
+    "metadata, refused",
+    [
+        ("http://10.255.255.1:80/co2", "not on the host torchft's quorum names for it"),
+        ("http://127.0.0.1:{port}/internal/admin?do=1#", "not http://HOST:PORT/co2"),
+        ("http://127.0.0.1:{port}/co2?x=1", "not http://HOST:PORT/co2"),
+        ("http://user@127.0.0.1:{port}/co2", "not http://HOST:PORT/co2"),
+        ("http://127.0.0.1:99999/co2", "not http://HOST:PORT/co2"),
+        ("https://127.0.0.1:{port}/co2", "not http://HOST:PORT/co2"),
+    ],
+    ids=["another_host", "another_path", "a_query", "a_user", "no_port", "another_scheme"],
+)
+def test_a_replica_fetches_only_from_its_quorum_source_s_host_at_a_url_it_builds(metadata, refused):
+    """The recovery source's metadata says only where its transport listens: a source that names
+    another host, path or form (a request forgery through every replica that heals from it) is
+    refused before anything is asked of anyone."""
+    asked = []
+    with _running(_transport(1)) as (replacement,), _answering(lambda h: asked.append(h.path)) as peer:
+        port = peer.rsplit(":", 1)[1].split("/")[0]
+        with pytest.raises(RecoveryRefused, match=re.escape(refused)):
+            _recv(replacement, metadata.format(port=port), timeout_s=1.0)
+    assert asked == []
+
+
+@pytest.mark.parametrize("length", ["abc", "\u00b2", "-5", "1e3", "0x10", "1 2", "9" * 20])
+def test_a_content_length_that_is_not_plain_digits_is_the_transport_s_refusal(length):
+    head = f"HTTP/1.0 200 OK\r\nContent-Length: {length}\r\n\r\n".encode()
+    with _running(_transport(1)) as (replacement,), _answering(_raw(head, pieces=1, every_s=0.0)) as rogue:
+        with pytest.raises(RecoveryRefused, match="does not say its length in digits"):
+            _recv(replacement, rogue, timeout_s=1.5)
+
+
+def test_eight_slow_senders_free_their_slots_when_the_timeout_is_over():
+    """Eight connections that send their request one byte every 0.2 s (each read within any read
+    timeout) hold every slot of the server only until twice its timeout: a signed request made
+    just after is served."""
+    timeout_s = 1.5
+    with _running(_transport(0, timeout_s=timeout_s), _transport(1)) as (peer, replacement):
+        port = int(peer.metadata().rsplit(":", 1)[1].split("/")[0])
+        stop = threading.Event()
+
+        def trickle() -> None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as connection:
+                for byte in b"GET /co2/3 HTTP/1.1\r\n" + b"X-Pad: x\r\n" * 100:
+                    if stop.wait(0.2):
+                        return
+                    connection.sendall(bytes([byte]))
+
+        senders = [threading.Thread(target=trickle, daemon=True) for _ in range(8)]
+        for sender in senders:
+            sender.start()
+        time.sleep(0.5)
+        peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
+        with pytest.raises(RecoveryRefused):  # every slot is held: closed at once
+            _recv(replacement, peer.metadata(), timeout_s=0.5)
+        time.sleep(2 * timeout_s)  # the slow senders' connections are closed at twice the server's timeout
+        start = time.monotonic()
+        assert _recv(replacement, peer.metadata())["torchft"]["step"] == 3
+        assert time.monotonic() - start < 1.0
+        stop.set()
+
+
+class _QuorumOf:
+    """The Manager's side of a quorum that `TorchFTCommunicator` touches, its ``start_quorum`` given."""
+
+    def __init__(self, start_quorum: Callable[[], None], error: Exception | None = None) -> None:
+        from torchft.manager import ExceptionWithTraceback
+
+        self.start_quorum = start_quorum
+        self._error = None if error is None else ExceptionWithTraceback(error)
+
+    def current_step(self) -> int:
+        return 1
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self):
+        return self._error
+
+
+def _communicator(manager: _QuorumOf, **kwargs):
+    from co2_hf.torchft.communicator import TorchFTCommunicator
+
+    transport = _transport(0)
+    comm = TorchFTCommunicator(
+        manager, transport, pg=None, timeout=timedelta(seconds=1), num_workers=2, worker_index=0, **kwargs
+    )
+    return comm, transport
+
+
+def test_a_quorum_that_never_returns_stops_the_replica_within_its_bound():
+    """torchft waits on its quorum future without a limit: CO2 bounds it (the quorum timeout and
+    three recovery timeouts, and a margin) and stops the replica, which its supervisor restarts."""
+    comm, transport = _communicator(_QuorumOf(lambda: time.sleep(60)), quorum_timeout=timedelta(seconds=0.5))
+    comm.quorum_bound_s = 1.0  # the margin (10 s) made small for the test
+    start = time.monotonic()
+    with _running(transport), pytest.raises(RuntimeError, match="quorum did not return within 1 s"):
+        comm.start_quorum()
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_starting_replica_whose_secret_its_source_refuses_stops_naming_the_secret():
+    """A replica started with another secret than the job's cannot heal: it stops at its first
+    quorum with the source's 403 explained (not a silent stall of every round); a joined replica
+    refused once drops the round and goes on."""
+    refused = SecretRefused(f"started with different secrets ({SECRET_ENV}, or the file {SECRET_FILE_ENV} names)")
+    comm, transport = _communicator(_QuorumOf(lambda: None, refused))
+    with _running(transport), pytest.raises(RuntimeError, match="different secrets.*cannot join the job"):
+        comm.start_quorum()
+    comm, transport = _communicator(_QuorumOf(lambda: None, refused))
+    comm.joined = True
+    with _running(transport):
+        assert comm.start_quorum() is False
+
+
+def test_ft_launch_ends_its_replicas_and_removes_its_secret_on_sigterm(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    for name in (SECRET_ENV, SECRET_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    child = f"import os, time; open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(600)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "co2_hf.torchft.launch", "--replicas=2", "--", sys.executable, "-c", child],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [launcher.stdout.readline() for _ in range(3)]
+        folder = os.path.dirname(re.search(r"secret is in (\S+)", lines[0])[1])
+        deadline = time.monotonic() + 30
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        assert len(pids) == 2 and os.path.isdir(folder), lines
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        launcher.kill()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not os.path.exists(folder)

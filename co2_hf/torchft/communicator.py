@@ -8,6 +8,7 @@ a replica group): ``job.py``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,7 +22,7 @@ from torchft.process_group import ProcessGroup
 from ..core.codecs.collectives import Collectives
 from ..core.comm import Communicator, Pending
 from ..core.waits import BackgroundWork
-from .transport import RecoveryTransport
+from .transport import RecoveryTransport, SecretRefused
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ class TorchFTCommunicator(Communicator):
 
     ``pg`` is the Manager's process group, which the coded wires' collectives run on; ``timeout``
     bounds each of them. ``num_workers`` is the most replica groups the job runs (the header holds a
-    slot for each); ``worker_index`` this replica group's id, kept by its replacements."""
+    slot for each); ``worker_index`` this replica group's id, kept by its replacements.
+    ``quorum_timeout`` is the Manager's: with ``timeout`` it bounds a whole quorum (`_quorum`)."""
 
     reconfigures = True
 
@@ -49,9 +51,13 @@ class TorchFTCommunicator(Communicator):
         num_workers: int,
         worker_index: int,
         start_timeout_s: float = 60.0,
+        quorum_timeout: timedelta = timedelta(seconds=300),
     ) -> None:
         self.manager, self.transport, self.pg = manager, transport, pg
         self.timeout = timeout
+        # a quorum: the Lighthouse's answer, then the group's set-up, the source's metadata and the
+        # recovery, each bounded by `timeout`; a margin for loading the state
+        self.quorum_bound_s = quorum_timeout.total_seconds() + 3 * timeout.total_seconds() + 10
         self._last_coded: BackgroundWork | None = None
         self.num_workers, self.worker_index = num_workers, worker_index
         self.start_timeout_s = start_timeout_s
@@ -118,9 +124,13 @@ class TorchFTCommunicator(Communicator):
         torchft names a snapshot by its step, which stays the same over many quorums with CO2 (at
         the start, and while rounds are dropped), so a peer healing in this quorum could otherwise
         load the state of an earlier boundary. It is withdrawn before this replica asks for the
-        quorum, so before any peer can learn of it."""
+        quorum, so before any peer can learn of it. A replica that is starting and whose recovery
+        source refused its secret cannot join: it stops, naming the secret's variables."""
         self.transport.disallow_checkpoint()
-        self.manager.start_quorum()
+        _within(self.quorum_bound_s, self.manager.start_quorum)
+        refused = getattr(self.manager.errored(), "original_exception", None)
+        if isinstance(refused, SecretRefused) and not self.joined:
+            raise RuntimeError(f"{refused}. This replica cannot join the job: it stops") from refused
 
     def launch(self, tensor: Tensor) -> Pending:
         pending = Pending(tensor, senders=self.manager.num_participants())
@@ -172,6 +182,34 @@ class TorchFTCommunicator(Communicator):
 
     def all_reduce_(self, tensor: Tensor) -> None:
         raise RuntimeError("CO2 internal error: co2_sync_warmup_steps is refused with torchft (TorchFT checks)")
+
+
+def _within(seconds: float, call: Callable[[], None]) -> None:
+    """``call()`` (torchft's ``start_quorum``, which waits on its quorum future without a limit),
+    raising its error; a RuntimeError if it has not returned within ``seconds``. It runs on a thread
+    of its own, on this thread's accelerator device."""
+    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        if device is not None:
+            torch.accelerator.set_device_index(device)
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as error:  # raised on the caller's thread below
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name="co2_quorum", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise RuntimeError(
+            f"CO2: torchft's quorum did not return within {seconds:.0f} s (its quorum timeout and three "
+            "recovery timeouts): this replica stops; its supervisor restarts it and it rejoins from a live peer"
+        )
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 class GroupNotFormed(RuntimeError):

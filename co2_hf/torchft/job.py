@@ -11,7 +11,7 @@ sparse) runs its two collectives over the quorum's group (`QuorumCollectives`); 
 follow the group's changes (``core/codecs/quant.py``, ``QuantizedWire``) and never travel. A round whose all-reduce
 fails (a participant died with it in flight) is dropped by ``commit``: nothing is applied. A
 peer's state travels only between the job's own replicas, signed with the job's secret, and every
-listener is on the job's address (``recovery.py``; docs/reliability.md, "torchft: who can reach what").
+listener is on the job's address (``transport.py``; docs/reliability.md, "torchft: who can reach what").
 
 The job: torchft's Manager built with every listener on the job's address (`build_manager`),
 `TorchFT` (the engine on one replica group), a peer's state as this replica's (`own_state`) and the
@@ -200,6 +200,7 @@ class TorchFT:
             num_workers=self.num_replicas,
             worker_index=self.replica_id,
             start_timeout_s=start_timeout_s,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
         )
 
     def start(

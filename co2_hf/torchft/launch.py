@@ -13,8 +13,10 @@ can read, in a private folder removed at the end (CO2_FT_SECRET_FILE names it to
 Proxy variables are removed (torchft's clients talk to 127.0.0.1). ``--join_timeout_ms`` must cover
 a round's compute (docs/algorithm.md section 19). Kill
 a replica (``kill -9 PID``; the pids are printed) to watch its replacement rejoin. Exit status: 0 if
-every replica's last process exited 0. If this launcher dies, the Lighthouse goes with it, and the
-replicas exit at their next quorum.
+every replica's last process exited 0. On SIGTERM or SIGINT it ends its replicas (SIGTERM, then
+SIGKILL after 10 s), stops the Lighthouse, removes the secret it made, and exits 143 or 130. If
+it is killed outright (SIGKILL), the Lighthouse goes with it and the replicas exit at their next
+quorum; only its secret's folder is left behind.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,7 @@ from collections.abc import Iterator
 from .transport import SECRET_ENV, SECRET_FILE_ENV
 
 HOST = "127.0.0.1"
+GRACE_S = 10.0  # how long a replica has to exit after SIGTERM before it is killed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the replica's command after --")
     if args.replicas < 1:
         parser.error(f"--replicas={args.replicas}: allowed is 1 or more")
-    with job_secret() as secret:
-        return run(args, command, secret)
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # SIGINT raises KeyboardInterrupt already
+    try:
+        with job_secret() as secret:
+            return run(args, command, secret)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    """SIGTERM: leave through the ``finally`` blocks (replicas ended, Lighthouse stopped, secret removed)."""
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
@@ -110,11 +123,23 @@ def run(args: argparse.Namespace, command: list[str], secret: dict[str, str]) ->
                 break
             time.sleep(0.1)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+        stop(list(procs.values()))
         lighthouse.shutdown()
     return 0 if all(p.returncode == 0 for p in procs.values()) else 1
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """End every replica still running: SIGTERM, then SIGKILL for those not gone within `GRACE_S`."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for proc in running:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":

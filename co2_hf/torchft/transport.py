@@ -11,15 +11,19 @@ and unpickles whatever it receives. `RecoveryTransport` replaces it:
    quorum, sender, receiver, length) and the SHA-256 of its body, checked before anything is
    deserialised. A process without the secret can neither read a state nor have one loaded.
 2. **The quorum's plan**: a state is loaded only from the replica torchft named as this one's
-   source in the current quorum, addressed to this replica, at the quorum's max step.
+   source in the current quorum, addressed to this replica, at the quorum's max step; and fetched
+   only from that replica's host (the one the quorum gave for its ManagerServer), at a URL built
+   here (``http://HOST:PORT/co2/STEP``): the source chooses its port, nothing else.
 3. **Bounded reads**: a body larger than `size_limit` (three times this replica's own state, plus
    1 MiB) is refused from its Content-Length before it is read, and read in 1 MiB pieces within the
    timeout; then `torch.load(weights_only=True)`: tensors, numbers, strings, containers, no code.
 4. **A bounded server** on the job's address only: at most ``max_requests`` connections at once
-   (more are closed at once, no thread), each bounded by the timeout; a request without the
-   secret's tag is answered 403 before it can wait for anything.
+   (more are closed at once, no thread), each connection closed after twice the timeout (one for
+   the wait for a state), however slowly its request came; a request without the secret's tag is
+   answered 403 before it can wait for anything, and the replica that sent it is told which
+   variables hold the secret.
 
-Needs torchft (the ``ft`` extra); `ft.py` uses it, nothing else imports it.
+Needs torchft (the ``ft`` extra); ``job.py`` and ``communicator.py`` use it, nothing else imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import http.client
 import io
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -58,18 +63,71 @@ class RecoveryRefused(RuntimeError):
     of it is loaded (torchft reports it, and the round is dropped)."""
 
 
+class SecretRefused(RecoveryRefused):
+    """The recovery source answered 403: it does not hold this replica's secret (this replica, or
+    the source, was started with another one)."""
+
+
 class Position(NamedTuple):
-    """This replica's place in torchft's current quorum: the quorum's id, this replica's rank in it."""
+    """This replica's place in torchft's current quorum: the quorum's id, this replica's rank in it,
+    and the host of this quorum's recovery source (None: the quorum named none)."""
 
     quorum: int
     rank: int | None
+    source_host: str | None = None
+
+
+class QuorumWatch:
+    """torchft 0.2.0's ManagerClient with the last quorum it returned kept (``last``): the Manager
+    reads the recovery source's address from it and keeps nothing. Every other call passes through."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.last = client, None
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(**kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def manager_position(manager: Any) -> Position:
-    """The quorum id and this replica's rank from torchft 0.2.0's Manager. It has no public accessor
-    usable here (``participating_rank()`` waits for the very quorum the transport runs in); both are
-    set in ``Manager._async_quorum`` before it sends or receives a state."""
-    return Position(manager._quorum_id, manager._participating_replica_rank)
+    """The quorum id, this replica's rank and its recovery source's host from torchft 0.2.0's
+    Manager. It has no public accessor usable here (``participating_rank()`` waits for the very
+    quorum the transport runs in); the id and rank are set in ``Manager._async_quorum`` before it
+    sends or receives a state, the source's address is in the quorum `QuorumWatch` kept."""
+    quorum = manager._client.last
+    address = getattr(quorum, "recover_src_manager_address", "") or ""
+    return Position(manager._quorum_id, manager._participating_replica_rank, url_host(address) if address else None)
+
+
+def url_host(address: str) -> str:
+    """The host of ``scheme://host:port[/...]`` (brackets of an IPv6 host removed)."""
+    return address.split("://", 1)[-1].split("/", 1)[0].rpartition(":")[0].strip("[]")
+
+
+# what a replica's transport gives as its metadata: its own address, always ending in /co2
+_METADATA = re.compile(r"http://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})/co2")
+
+
+def recovery_url(metadata: str, source_host: str | None, step: int) -> str:
+    """The URL of the state at ``step`` on the recovery source, built here from its ``metadata``
+    (``http://HOST:PORT/co2``), whose host must be the source's (`Position.source_host`): else
+    RecoveryRefused, and nothing is asked of anyone."""
+    match = _METADATA.fullmatch(metadata)
+    port = int(match["port"]) if match else 0
+    if match is None or not 0 < port < 65536:
+        raise RecoveryRefused(
+            f"CO2: a recovery source gave the address {metadata[:200]!r}, not http://HOST:PORT/co2: refused, "
+            "nothing was asked of it"
+        )
+    if source_host is None or match["host"].strip("[]") != source_host:
+        raise RecoveryRefused(
+            f"CO2: a recovery source gave the address {metadata[:200]!r}, not on the host torchft's quorum names "
+            f"for it ({source_host!r}): refused, nothing was asked of it"
+        )
+    return f"http://{match['host']}:{port}/co2/{step}"
 
 
 def job_secret() -> bytes:
@@ -154,8 +212,9 @@ class _BoundedServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type, max_requests: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type, max_requests: int, timeout_s: float) -> None:
         self._slots = threading.BoundedSemaphore(max_requests)
+        self._timeout_s = timeout_s
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -169,9 +228,13 @@ class _BoundedServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # the whole connection: its request, the wait for a state (one timeout) and the answer within
+        # two timeouts, however slowly its bytes come (a slow sender frees its slot then)
+        alarm = _Alarm(request, 2 * self._timeout_s)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            alarm.cancel()
             self._slots.release()
 
 
@@ -196,13 +259,14 @@ class RecoveryTransport(CheckpointTransport):
         self._staged: Snapshot | None = None
         self._ready = threading.Condition()
         self._warned = False
-        self._server = _BoundedServer((host, 0), self._handler(), max_requests)
+        self._server = _BoundedServer((host, 0), self._handler(), max_requests, timeout.total_seconds())
         serve = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="co2_recovery", daemon=True)
         serve.start()  # polled every 50 ms for a shutdown
         self._address = f"http://{host}:{self._server.server_address[1]}/co2"
 
     def follow(self, manager: Any) -> None:
         """Take the quorum's position and this replica's own state from torchft's ``manager``."""
+        manager._client = QuorumWatch(manager._client)
         self._position = lambda: manager_position(manager)
         self._own_state = manager._manager_state_dict  # torchft 0.2.0: what it would send a peer
 
@@ -219,7 +283,7 @@ class RecoveryTransport(CheckpointTransport):
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         data = buffer.getvalue()
-        quorum, rank = self._place()
+        quorum, rank, _ = self._place()
         state_step = int(state_dict.get("torchft", {}).get("step", step))
         digest = hashlib.sha256(data).hexdigest()
         with self._ready:
@@ -233,12 +297,10 @@ class RecoveryTransport(CheckpointTransport):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         """The state torchft's quorum planned for this replica: from ``src_rank`` at ``step`` (the
         quorum's max step), signed with the job's secret, no larger than `size_limit`; else refused."""
-        quorum, rank = self._place()
+        quorum, rank, source_host = self._place()
+        url = recovery_url(metadata, source_host, step)
         limit = size_limit(self._own_state())
         planned = (step, quorum, src_rank, rank)
-        if not metadata.startswith("http://"):
-            raise RecoveryRefused(f"CO2: a recovery source gave the address {metadata[:200]!r}, not http://: refused")
-        url = f"{metadata}/{step}"
         asked = {HEADER + name: str(value) for name, value in zip(("Quorum", "From", "To"), planned[1:])}
         asked[HEADER + "HMAC"] = sign(self._secret, "co2/get", *planned)
         headers, data = _exchange(url, asked, limit=limit, timeout_s=timeout.total_seconds())
@@ -386,6 +448,12 @@ def _exchange(url: str, asked: dict[str, str], *, limit: int, timeout_s: float) 
         alarm = _Alarm(connection.sock, deadline - time.monotonic())
         connection.request("GET", "/" + path, headers=asked)
         response = connection.getresponse()
+        if response.status == 403:
+            raise SecretRefused(
+                f"CO2: the recovery source {url} refused this replica's request (HTTP 403): the two were started "
+                f"with different secrets ({SECRET_ENV}, or the file {SECRET_FILE_ENV} names; every replica group "
+                "of a job needs the same one), or the source is not one of the job's replicas. Nothing loaded"
+            )
         if response.status != 200:
             raise RecoveryRefused(f"CO2: {url} answered HTTP {response.status} {response.reason}: nothing loaded")
         return response.headers, _read_bounded(response, limit=limit, deadline=deadline, url=url)
@@ -406,8 +474,8 @@ def _read_bounded(response: Any, *, limit: int, deadline: float, url: str) -> by
     """The body of ``response``: refused unread beyond ``limit`` bytes (from its Content-Length),
     read one piece at a time (``read1``: a single receive each, so a slow peer meets the deadline)."""
     length = response.headers.get("Content-Length", "")
-    if not length.isdigit():
-        raise RecoveryRefused(f"CO2: the state offered by {url} does not say its length: refused unread")
+    if not re.fullmatch(r"[0-9]{1,19}", length):  # ASCII digits only: str.isdigit admits others int() refuses
+        raise RecoveryRefused(f"CO2: the state offered by {url} does not say its length in digits: refused unread")
     length = int(length)
     if length > limit:
         raise RecoveryRefused(
