@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from co2_hf import CO2Config  # noqa: E402
 from co2_hf.torchft.transport import (  # noqa: E402
+    JOB_ENV,
     SECRET_ENV,
     SECRET_FILE_ENV,
     Position,
@@ -538,3 +539,57 @@ def test_ft_launch_ends_its_replicas_and_removes_its_secret_on_sigterm(tmp_path,
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not os.path.exists(folder)
+
+
+def test_an_answer_of_another_job_sharing_the_secret_is_refused():
+    """The signatures are keyed by the secret and the job's id (CO2_FT_JOB_ID, co2-ft-launch makes
+    one): a request or an answer of one job is refused by another job that shares its secret."""
+    with _running(_transport(0, job="job-a"), _transport(1, job="job-b"), _transport(1, job="job-a")) as (
+        peer,
+        other_job,
+        same_job,
+    ):
+        peer.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=5))
+        with pytest.raises(SecretRefused):  # its request: 403
+            _recv(other_job, peer.metadata())
+        assert _recv(same_job, peer.metadata())["torchft"]["step"] == 3
+    answer = _signed(_saved(_state()), PLANNED)  # signed with the secret alone: a job without an id
+    with _running(_transport(1, job="job-b")) as (replacement,), _answering(answer) as rogue:
+        with pytest.raises(RecoveryRefused, match=f"or another job's \\({JOB_ENV}\\)"):
+            _recv(replacement, rogue)
+
+
+def _engine(num_workers: int = 2, **settings):
+    from co2_hf.core import CO2
+    from co2_hf.testing import FakeCommunicator
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    config = CO2Config(**{"co2_local_steps": 4, "co2_fragments": 1, **settings})
+    return CO2(
+        model,
+        config,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        communicator=FakeCommunicator(num_workers=num_workers),
+    )
+
+
+@pytest.mark.parametrize(
+    "peer, named",
+    [
+        (lambda: _engine(num_workers=3), "number of workers: checkpoint 3, now 2"),
+        (lambda: _engine(co2_local_steps=8), "co2_local_steps: checkpoint 8, now 4"),
+        (lambda: _engine(co2_comm_dtype="int8"), "co2_comm_dtype: checkpoint 'int8'"),
+    ],
+    ids=["workers", "tau", "wire"],
+)
+def test_a_peer_started_with_other_settings_is_refused_naming_the_setting(peer, named):
+    """A replica of the job started with another NUM_REPLICA_GROUPS, tau or wire: its state is
+    refused by the transport (the round is dropped, the replica trains on), naming the setting,
+    instead of raising out of the engine's step on every honest replica."""
+    own, theirs = _engine(), peer()
+    sent = {"user": {"co2": {"engine": theirs.state_dict(), "at_boundary": False}}, "torchft": {"step": 3}}
+    own.check_peer_state(_engine().state_dict())  # the same settings: taken
+    with _running(_transport(1)) as (replacement,), _answering(_signed(_saved(sent), PLANNED)) as source:
+        replacement.check_state = lambda state: own.check_peer_state(state["user"]["co2"]["engine"])
+        with pytest.raises(RecoveryRefused, match=f"started with other settings than this one: .*{re.escape(named)}"):
+            _recv(replacement, source)

@@ -339,6 +339,13 @@ class CO2(Reports, AnchorViews):
             part.load_state_dict(kept)
         self.progress = from_dict(Progress, saved["counters"])
 
+    def check_peer_state(self, sent: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming what differs unless ``sent`` (another worker's `state_dict`,
+        from a live peer) comes from a worker of this run: the same settings, model layout and
+        number of workers (its worker index is its own)."""
+        saved = upgrade(sent)
+        check_compatible({**saved, "worker_index": self.comm.worker_index}, **self._identity())
+
     @property
     def _pending(self):
         """The all-reduce in flight, if any (one fragment's at most)."""

@@ -38,7 +38,7 @@ from torchft.process_group import ProcessGroupGloo
 from ..config import CO2Config
 from ..core.co2 import CO2
 from .communicator import LIGHTHOUSE_ENV, NUM_REPLICAS_ENV, REPLICA_ENV, TorchFTCommunicator
-from .transport import RecoveryTransport, job_secret
+from .transport import JOB_ENV, RecoveryTransport, job_secret
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class TorchFT:
         self.lighthouse, self.replica_id, self.num_replicas = job_from_env(lighthouse, replica_id, num_replicas)
         secret = secret if secret is not None else job_secret()
         host, timeout = job_interface(self.lighthouse), timedelta(seconds=timeout_s)
-        transport = RecoveryTransport(host, timeout, secret=secret)
+        transport = RecoveryTransport(host, timeout, secret=secret, job=os.environ.get(JOB_ENV, ""))
         self.manager, pg, self._store = build_manager(
             host,
             transport,
@@ -227,6 +227,7 @@ class TorchFT:
         ``state`` pairs (name: (load, save), e.g. the data position) travel to a replica that is
         behind. A checkpoint is loaded into them before `join` (CO2's through `own_state`)."""
         co2 = CO2(model, self.config, optimizer, communicator=self.comm)
+        self.comm.transport.check_state = lambda sent: co2.check_peer_state(sent["user"]["co2"]["engine"])
         take, lend = (lambda sent: self._take_peer_state(co2, sent)), (lambda: self._lend_state(co2))
         self.manager.register_state_dict_fn("co2", take, lend)
         self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)

@@ -5,8 +5,9 @@ restarted when it dies (the supervisor), until every one has exited on its own.
 
 (installed with the package; ``python -m co2_hf.torchft.launch`` is the same command).
 
-Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)
-and the job's secret; ``{replica}`` in the command becomes its id. The Lighthouse listens on
+Each replica gets torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS),
+the job's secret and a new id for the job (CO2_FT_JOB_ID, unless set: a restart keeps it);
+``{replica}`` in the command becomes its id. The Lighthouse listens on
 127.0.0.1, so every replica's listeners do too: nothing outside this machine reaches the job. The
 secret is yours if CO2_FT_SECRET or CO2_FT_SECRET_FILE is set; else a new one, in a file only you
 can read, in a private folder removed at the end (CO2_FT_SECRET_FILE names it to the replicas).
@@ -33,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from .transport import SECRET_ENV, SECRET_FILE_ENV
+from .transport import JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
 
 HOST = "127.0.0.1"
 GRACE_S = 10.0  # how long a replica has to exit after SIGTERM before it is killed
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace, command: list[str], secret: dict[str, str]) ->
     port = lighthouse.address().rsplit(":", 1)[1]  # address() names the host, which may not be loopback
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env.update(secret, TORCHFT_LIGHTHOUSE=f"http://{HOST}:{port}", NUM_REPLICA_GROUPS=str(args.replicas))
+    env.setdefault(JOB_ENV, secrets.token_hex(8))  # binds the signatures to this job (transport.job_key)
 
     def start(replica: int) -> subprocess.Popen:
         argv = [part.replace("{replica}", str(replica)) for part in command]

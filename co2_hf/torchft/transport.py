@@ -5,18 +5,22 @@ torchft's Lighthouse admits any process that reaches it, and names as a recovery
 claims the quorum's highest step; torchft's own HTTPTransport serves live tensors to whoever asks
 and unpickles whatever it receives. `RecoveryTransport` replaces it:
 
-1. **The job's secret** (``CO2_FT_SECRET``, or a file ``CO2_FT_SECRET_FILE`` names; `job_secret`)
-   keys an HMAC-SHA256 on each request, over what it asks for (step, quorum, from, to), checked
+1. **The job's secret** (``CO2_FT_SECRET``, or a file ``CO2_FT_SECRET_FILE`` names; `job_secret`),
+   with the job's id (``CO2_FT_JOB_ID``, which co2-ft-launch makes for each job; `job_key`), keys an
+   HMAC-SHA256 on each request, over what it asks for (step, quorum, from, to), checked
    before anything is served; and on each answer, over what it claims (the state's step, the
    quorum, sender, receiver, length) and the SHA-256 of its body, checked before anything is
-   deserialised. A process without the secret can neither read a state nor have one loaded.
+   deserialised. A process without the secret can neither read a state nor have one loaded, and
+   an answer of one job is refused by another that shares its secret.
 2. **The quorum's plan**: a state is loaded only from the replica torchft named as this one's
    source in the current quorum, addressed to this replica, at the quorum's max step; and fetched
    only from that replica's host (the one the quorum gave for its ManagerServer), at a URL built
    here (``http://HOST:PORT/co2/STEP``): the source chooses its port, nothing else.
 3. **Bounded reads**: a body larger than `size_limit` (three times this replica's own state, plus
    1 MiB) is refused from its Content-Length before it is read, and read in 1 MiB pieces within the
-   timeout; then `torch.load(weights_only=True)`: tensors, numbers, strings, containers, no code.
+   timeout; then `torch.load(weights_only=True)`: tensors, numbers, strings, containers, no code;
+   then ``check_state`` (the engine's settings, model layout and number of workers against this
+   replica's): a peer started with other settings is refused, naming what differs.
 4. **A bounded server** on the job's address only: at most ``max_requests`` connections at once
    (more are closed at once, no thread), each connection closed after twice the timeout (one for
    the wait for a state), however slowly its request came; a request without the secret's tag is
@@ -51,7 +55,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 logger = logging.getLogger(__name__)
 
-SECRET_ENV, SECRET_FILE_ENV = "CO2_FT_SECRET", "CO2_FT_SECRET_FILE"
+SECRET_ENV, SECRET_FILE_ENV, JOB_ENV = "CO2_FT_SECRET", "CO2_FT_SECRET_FILE", "CO2_FT_JOB_ID"
 MIN_SECRET_BYTES = 16
 MAX_REQUESTS = 8  # the replicas healing from one source at once, and room for a few strays
 PIECE = 1 << 20  # bytes read at a time
@@ -165,6 +169,13 @@ def _secret_file(path: str) -> bytes:
     return secret
 
 
+def job_key(secret: bytes, job: str) -> bytes:
+    """The key of a job's HMACs: its secret, bound to its id (``CO2_FT_JOB_ID``) when it has one, so
+    that a request or answer of one job is refused by another job that shares the secret. A job
+    started without an id (its own launcher, not co2-ft-launch) signs with the secret alone."""
+    return hmac.new(secret, f"co2/job\n{job}".encode(), hashlib.sha256).digest() if job else secret
+
+
 def size_limit(own_state: Any) -> int:
     """The most bytes this replica accepts for a peer's state: three times its own state, plus 1 MiB.
     A replacement's optimizer may hold nothing yet (Adam's two moments come with its first step),
@@ -242,7 +253,9 @@ class RecoveryTransport(CheckpointTransport):
     """torchft's checkpoint transport for CO2's state, on ``host`` only, keyed by the job's ``secret``
     (the module's docstring says what it checks). ``follow(manager)`` gives it the quorum's id, this
     replica's rank in it and its own state (for `size_limit`); tests pass ``position`` and
-    ``own_state`` instead. ``timeout`` bounds a wait for a staged state and each connection."""
+    ``own_state`` instead. ``timeout`` bounds a wait for a staged state and each connection.
+    ``job`` is the job's id (`job_key`); ``check_state``, set by the job once its engine exists,
+    raises ValueError for a received state this replica cannot take (other settings)."""
 
     def __init__(
         self,
@@ -253,8 +266,10 @@ class RecoveryTransport(CheckpointTransport):
         position: Callable[[], Position] | None = None,
         own_state: Callable[[], Any] | None = None,
         max_requests: int = MAX_REQUESTS,
+        job: str = "",
     ) -> None:
-        self._timeout, self._secret = timeout, secret
+        self._timeout, self._secret = timeout, job_key(secret, job)
+        self.check_state: Callable[[Any], None] | None = None
         self._position, self._own_state = position, own_state
         self._staged: Snapshot | None = None
         self._ready = threading.Condition()
@@ -305,7 +320,17 @@ class RecoveryTransport(CheckpointTransport):
         asked[HEADER + "HMAC"] = sign(self._secret, "co2/get", *planned)
         headers, data = _exchange(url, asked, limit=limit, timeout_s=timeout.total_seconds())
         self._check_answer(headers, data, planned, url)
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        if self.check_state is not None:
+            try:
+                self.check_state(state)
+            except (ValueError, KeyError, TypeError) as error:
+                raise RecoveryRefused(
+                    f"CO2: the state offered by {url} is a replica's of the job started with other settings than "
+                    f"this one: {error}. Refused: nothing of it was loaded (start every replica group with the "
+                    "same settings and NUM_REPLICA_GROUPS)"
+                ) from None
+        return state
 
     def _check_answer(self, headers: Any, data: bytes, planned: tuple[int, ...], url: str) -> None:
         """The answer's claim is signed with the job's secret, and is the one the quorum planned."""
@@ -317,7 +342,8 @@ class RecoveryTransport(CheckpointTransport):
         if claimed is None or not _same(headers.get(HEADER + "HMAC", ""), self._answer_tag(claimed, data, digest)):
             raise RecoveryRefused(
                 f"CO2: the state offered by {url} is not signed with this job's secret ({SECRET_ENV}): a process "
-                "outside the job, or a replica started with another secret. Refused: nothing of it was loaded"
+                f"outside the job, a replica started with another secret, or another job's ({JOB_ENV}). Refused: "
+                "nothing of it was loaded"
             )
         names = ("step", "quorum", "sender's rank", "receiver's rank")
         wrong = [f"{n} {c} (the quorum's: {p})" for n, c, p in zip(names, claimed, planned, strict=True) if c != p]
