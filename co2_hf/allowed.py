@@ -269,25 +269,29 @@ def set_without_effect(config: Any, defaults: dict[str, Any]) -> list[str]:
     ]
 
 
-def check_run_length(config: Any, max_steps: int) -> None:
+def run_length_warning(config: Any, max_steps: int) -> str | None:
     """What depends on the run's length, where it is known (the Trainer's ``max_steps`` > 0; with
-    epochs it is not known before the data loader is): a run CO2 never starts in, or in which no
-    round completes, is refused."""
+    epochs it is not known before the data loader is). A run CO2 never starts in, or in which no round
+    completes before the end, is well defined (data parallel throughout; or one partial round that
+    ``finalize()`` averages at the end): the plain Trainer's short runs (``max_steps=3``) stay valid, so
+    it is said, not refused. Returns the warning, or None."""
     if max_steps <= 0:
-        return
+        return None
     warmup, tau = config.co2_sync_warmup_steps, config.co2_local_steps
     if warmup >= max_steps:
-        raise ValueError(
-            f"co2_sync_warmup_steps={warmup} is not allowed with max_steps={max_steps}: the whole run would be "
-            f"plain data parallel and CO2 would never start. Allowed: co2_sync_warmup_steps < max_steps (at most "
-            f"{max_steps - 1}), or --co2_enabled false"
+        return (
+            f"CO2: co2_sync_warmup_steps={warmup} >= max_steps={max_steps}: the whole run is plain data parallel "
+            "(gradients averaged at every step) and CO2's rounds never start. Pass co2_sync_warmup_steps < "
+            f"{max_steps} to use them, or --co2_enabled false"
         )
     if warmup + tau > max_steps:
-        raise ValueError(
-            f"co2_local_steps={tau} is not allowed with max_steps={max_steps} and co2_sync_warmup_steps={warmup}: "
-            f"no round would ever complete (the first ends after step {warmup + tau}). Allowed: co2_local_steps "
-            f"<= {max_steps - warmup}"
+        return (
+            f"CO2: co2_local_steps={tau} with max_steps={max_steps} and co2_sync_warmup_steps={warmup}: no round "
+            f"completes before the end (the first would end after step {warmup + tau}); each worker trains on "
+            "its own data until then and the workers are averaged once, at the end of training. Pass "
+            f"co2_local_steps <= {max_steps - warmup} for rounds during the run"
         )
+    return None
 
 
 def check_ddp_timeout(config: Any, ddp_timeout: int) -> None:

@@ -185,19 +185,6 @@ SILENT_SETTINGS = [
         "co2_clip_threshold=1e-300 is not allowed: it must be a finite number in [1e-08",
     ),
     (
-        ["--co2_local_steps", "10000", "--max_steps", "5"],
-        "co2_local_steps=10000 is not allowed with max_steps=5 and co2_sync_warmup_steps=0: no round would ever "
-        "complete (the first ends after step 10000). Allowed: co2_local_steps <= 5",
-    ),
-    (
-        ["--co2_local_steps", "4", "--co2_sync_warmup_steps", "3", "--max_steps", "6"],
-        "co2_local_steps=4 is not allowed with max_steps=6 and co2_sync_warmup_steps=3",
-    ),
-    (
-        ["--co2_sync_warmup_steps", "5", "--max_steps", "3"],
-        "co2_sync_warmup_steps=5 is not allowed with max_steps=3: the whole run would be plain data parallel",
-    ),
-    (
         ["--co2_timeout_s", "5", "--ddp_timeout", "1"],
         "ddp_timeout=1 is not allowed with co2_timeout_s=5: the default group's collectives would time out first",
     ),
@@ -213,15 +200,46 @@ def test_a_setting_without_effect_or_sense_is_refused_before_any_process_group(
         _parse(["--output_dir", str(tmp_path), *argv])
 
 
+SHORT_RUNS = [
+    (
+        ["--co2_local_steps", "10000", "--max_steps", "5"],
+        "co2_local_steps=10000 with max_steps=5 and co2_sync_warmup_steps=0: no round completes before the end "
+        "(the first would end after step 10000)",
+    ),
+    (
+        ["--co2_local_steps", "4", "--co2_sync_warmup_steps", "3", "--max_steps", "6"],
+        "co2_local_steps=4 with max_steps=6 and co2_sync_warmup_steps=3: no round completes",
+    ),
+    (
+        ["--co2_sync_warmup_steps", "5", "--max_steps", "3"],
+        "co2_sync_warmup_steps=5 >= max_steps=3: the whole run is plain data parallel",
+    ),
+]
+
+
 @pytest.mark.timeout(60)
-def test_the_refused_lengths_and_timeouts_have_a_valid_neighbour(tmp_path):
-    """The edges of the table above are accepted: a round completes on the last step, the warm-up ends
-    before it, and ddp_timeout equals co2_timeout_s."""
+@pytest.mark.parametrize(("argv", "message"), SHORT_RUNS, ids=[" ".join(a) for a, _ in SHORT_RUNS])
+def test_a_run_too_short_for_a_round_is_accepted_with_one_warning(tmp_path, caplog, argv, message):
+    """The plain Trainer's short runs (max_steps=3 at the default tau) stay valid: the run is data
+    parallel, or one partial round that finalize() averages; CO2 says so once, naming the flags."""
+    with caplog.at_level(logging.WARNING, logger="co2_hf.integrations.arguments"):
+        (args,) = _parse(["--output_dir", str(tmp_path), *argv])
+    said = [r.getMessage() for r in caplog.records if message in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert args.max_steps == int(argv[-1])
+
+
+@pytest.mark.timeout(60)
+def test_a_run_long_enough_for_a_round_and_a_matching_timeout_say_nothing(tmp_path, caplog):
+    """The edges: a round completes on the last step, the warm-up ends before it, and ddp_timeout
+    equals co2_timeout_s; with epochs the length is not known yet, so nothing is said."""
     argv = ["--co2_local_steps", "4", "--co2_sync_warmup_steps", "2", "--max_steps", "6"]
-    (args,) = _parse(["--output_dir", str(tmp_path), *argv, "--co2_timeout_s", "5", "--ddp_timeout", "5"])
+    with caplog.at_level(logging.WARNING, logger="co2_hf.integrations.arguments"):
+        (args,) = _parse(["--output_dir", str(tmp_path), *argv, "--co2_timeout_s", "5", "--ddp_timeout", "5"])
+        (epochs,) = _parse(["--output_dir", str(tmp_path), "--co2_local_steps", "10000"])
     assert (args.co2_local_steps, args.max_steps, args.ddp_timeout) == (4, 6, 5)
-    (args,) = _parse(["--output_dir", str(tmp_path), "--co2_local_steps", "10000"])  # epochs: no length known yet
-    assert args.max_steps == -1
+    assert epochs.max_steps == -1
+    assert "no round completes" not in caplog.text and "plain data parallel" not in caplog.text
 
 
 @pytest.mark.timeout(60)

@@ -3,9 +3,9 @@
 Everything CO2 cannot work with is refused in ``__post_init__``, before ``TrainingArguments`` sets
 up the device and with it the default process group, so a bad launch fails at once and the same on
 every rank: a bad ``co2_*`` value, DeepSpeed, FSDP1 and FSDP across workers, ``parallelism_config``,
-a per-step token count gather, a ``co2_worker_size`` that does not
-divide ``WORLD_SIZE``, a bfloat16 wire over more than 256 workers, a ``max_steps`` in which no round
-completes, a ``ddp_timeout`` below ``co2_timeout_s``. ``ddp_timeout`` defaults to
+a per-step token count gather, a ``co2_worker_size`` that does not divide ``WORLD_SIZE``, a
+bfloat16 wire over more than 256 workers, a ``ddp_timeout`` below ``co2_timeout_s`` (a
+``max_steps`` in which no round completes is warned, not refused). ``ddp_timeout`` defaults to
 ``co2_timeout_s`` (`_follow_ddp_timeout` applies it to the default group).
 
 FSDP2 (``--fsdp`` with ``fsdp_config`` version 2, the default) together with ``co2_worker_size = k
@@ -42,7 +42,7 @@ from transformers import TrainingArguments
 from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.training_args import _convert_str_dict  # how TrainingArguments reads JSON flags
 
-from ..allowed import check_ddp_timeout, check_run_length
+from ..allowed import check_ddp_timeout, run_length_warning
 from ..config import CO2Config
 from . import fault_tolerance, launch
 
@@ -89,7 +89,6 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
             self.worker_fsdp = _take_over_fsdp2(self)
             _refuse_unsupported(self)
             dispatch = _dispatch_batches_given(self)
-            check_run_length(self, self.max_steps)
             if _ddp_timeout_given(self):
                 check_ddp_timeout(self, self.ddp_timeout)
         follows = self.co2_enabled and not _ddp_timeout_given(self)
@@ -103,7 +102,12 @@ class CO2TrainingArguments(TrainingArguments, CO2Config):
         refuse_data_parallel(self)
         off = _turn_off_per_step_collectives(self)
         _warn_changed_settings(
-            self, ddp_timeout_followed=follows, token_average_off=off, workers=workers, dispatch=dispatch
+            self,
+            ddp_timeout_followed=follows,
+            token_average_off=off,
+            workers=workers,
+            dispatch=dispatch,
+            run_length=run_length_warning(self, self.max_steps),
         )
 
 
@@ -117,7 +121,13 @@ def _workers_launched(args: CO2TrainingArguments) -> int:
 
 
 def _warn_changed_settings(
-    args: CO2TrainingArguments, *, ddp_timeout_followed: bool, token_average_off: bool, workers: int, dispatch: bool
+    args: CO2TrainingArguments,
+    *,
+    ddp_timeout_followed: bool,
+    token_average_off: bool,
+    workers: int,
+    dispatch: bool,
+    run_length: str | None,
 ) -> None:
     """What CO2 changed or made useless, at WARNING once (rank 0; the other ranks at INFO), with why."""
     warn = logger.warning if args.process_index == 0 else logger.info
@@ -153,6 +163,8 @@ def _warn_changed_settings(
             "there is nobody to average with, so the outer step only replays this worker's own progress. "
             f"{_launch_hint()}, or pass --co2_enabled false."
         )
+    if run_length:
+        warn(run_length)
     if args.hub_strategy == "checkpoint":
         warnings.warn(
             "hub_strategy='checkpoint' uploads the last checkpoint folder, which with CO2 "
