@@ -59,14 +59,26 @@ class SimResult:
 
 
 def train_simulated(
-    *, workers: int, config: CO2Config | None, task: Task, steps: int, seed: int = 0, eval_every: int = 0
+    *,
+    workers: int,
+    config: CO2Config | None,
+    task: Task,
+    steps: int,
+    seed: int = 0,
+    eval_every: int = 0,
+    average_inner_state: tuple[str, ...] = (),
 ) -> SimResult:
-    """Train ``steps`` inner steps with ``workers`` simulated workers (see the module docstring)."""
+    """Train ``steps`` inner steps with ``workers`` simulated workers (see the module docstring).
+
+    ``average_inner_state`` (a screening probe, not an engine setting): names of the inner optimizer's
+    state tensors (AdamW: ``exp_avg``, ``exp_avg_sq``) replaced by their mean over the workers after
+    every ``co2_local_steps`` steps, at once and for free: an upper bound of what averaging them
+    through the wire could give."""
     start, result = time.perf_counter(), SimResult()
     if config is None:
         _train_data_parallel(workers, task, steps, seed, eval_every, result)
     else:
-        _train_co2(workers, config, task, steps, seed, eval_every, result)
+        _train_co2(workers, config, task, steps, seed, eval_every, result, average_inner_state)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -87,7 +99,19 @@ def _train_data_parallel(workers, task, steps, seed, eval_every, result) -> None
     result.final = task.evaluate(model, None)
 
 
-def _train_co2(workers, config, task, steps, seed, eval_every, result) -> None:
+def _average_state_(optimizers, names) -> None:
+    """Every worker's ``names`` state tensors replaced by their mean over the workers (in worker order)."""
+    for group in zip(*(o.param_groups for o in optimizers)):
+        for params in zip(*(g["params"] for g in group)):
+            for name in names:
+                tensors = [o.state[p][name] for o, p in zip(optimizers, params) if name in o.state[p]]
+                if len(tensors) == len(optimizers):
+                    mean = torch.stack(tensors).mean(0)
+                    for t in tensors:
+                        t.copy_(mean)
+
+
+def _train_co2(workers, config, task, steps, seed, eval_every, result, average_inner_state=()) -> None:
     network = SimulatedNetwork(workers)
     models = [task.build_model(seed + i) for i in range(workers)]  # like ranks; CO2 broadcasts worker 0's
     optimizers = [task.build_optimizer(m) for m in models]
@@ -110,8 +134,13 @@ def _train_co2(workers, config, task, steps, seed, eval_every, result) -> None:
                 if scheduler is not None:
                     scheduler.step()
             list(pool.map(lambda e: e.step(), engines))
+            if average_inner_state and (step + 1) % config.co2_local_steps == 0:
+                _average_state_(optimizers, average_inner_state)
             if eval_every and (step + 1) % eval_every == 0:
-                result.history.append((step + 1, task.evaluate(models[0], engines[0].anchor_state())))
+                # in the warm-up the live model is the global one (and its state_dict holds tied
+                # weights twice, which functional_call refuses)
+                params = None if engines[0].in_warmup else engines[0].anchor_state()
+                result.history.append((step + 1, task.evaluate(models[0], params)))
         list(pool.map(lambda e: e.finalize(), engines))
     result.final = task.evaluate(models[0], None)
     result.engines = engines

@@ -161,10 +161,35 @@ CONFIGS.update(
 CONFIGS["co2_sparse"] = dict(co2_comm_dtype="sparse")
 CONFIGS["co2_sparse_keep"] = dict(co2_comm_dtype="sparse", co2_sparse_keep_unsent=True)
 
+# CO2Config() with another outer step, for the worker-count study: the outer learning rate raised
+# (the average of more workers is less noisy, so it can be trusted further), more outer momentum, and
+# DiLoCo's Nesterov outer step, each with the library's streaming fragments and lookahead start
+CONFIGS.update(
+    {
+        "co2_olr15": dict(co2_outer_lr=1.5),
+        "co2_olr2": dict(co2_outer_lr=2.0),
+        "co2_m5": dict(co2_outer_momentum=0.5),
+        "co2_nesterov09": dict(co2_nesterov=True, co2_outer_lr=0.7, co2_outer_momentum=0.9),
+    }
+)
+
 # data parallel with its AdamW learning rate raised for its global batch (workers x 8 blocks), so that
 # the baseline is tuned as well as the methods it is compared with; every other config uses 1e-3
 LEARNING_RATES = {"dp_lr2e-3": 2e-3, "dp_lr3e-3": 3e-3, "dp_lr4e-3": 4e-3}
 CONFIGS.update({name: None for name in LEARNING_RATES})
+# screening probes (scripts/sim.py, average_inner_state): the inner AdamW's moments averaged over the
+# workers every tau steps, for free (an upper bound of what sending them would give), and data
+# parallel for the first co2_sync_warmup_steps (post-local SGD's warm-up)
+INNER_STATE = {"co2_avg_m": ("exp_avg",), "co2_avg_mv": ("exp_avg", "exp_avg_sq"), "local_sgd_avg_m": ("exp_avg",)}
+CONFIGS.update({name: CONFIGS[name.rsplit("_avg_", 1)[0]] for name in INNER_STATE})
+CONFIGS.update({f"co2_sync{n}": dict(co2_sync_warmup_steps=n) for n in (30, 60, 120)})
+
+# ... and the local methods at the same raised learning rates, so that a gain of data parallel from
+# its lr is not mistaken for a gain from its batch: {config}_lr{lr}
+for _base in ("co2", "local_sgd", "co2_default"):
+    for _lr in ("2e-3", "3e-3", "4e-3"):
+        CONFIGS[f"{_base}_lr{_lr}"] = CONFIGS[_base]
+        LEARNING_RATES[f"{_base}_lr{_lr}"] = float(_lr)
 
 
 def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +276,13 @@ def run_one(job: dict) -> dict:
     config = None if overrides is None else CO2Config(**{"co2_local_steps": job["tau"], **overrides})
     task = make_task(job["model"], job["steps"], job["seed"], job.get("lr", 1e-3))
     result = train_simulated(
-        workers=job["workers"], config=config, task=task, steps=job["steps"], seed=0, eval_every=job["eval_every"]
+        workers=job["workers"],
+        config=config,
+        task=task,
+        steps=job["steps"],
+        seed=0,
+        eval_every=job["eval_every"],
+        average_inner_state=INNER_STATE.get(job["config"], ()),
     )
     line = {
         **job,

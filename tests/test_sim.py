@@ -95,3 +95,28 @@ def test_lookahead_without_momentum_at_outer_lr_one_is_the_eager_start():
     eager = _final_anchor(2, STEPS, co2_start_rule="eager", **knobs)
     for key, value in eager.items():
         assert torch.equal(lookahead[key], value), key
+
+
+def test_the_inner_state_probe_replaces_only_the_named_moments_by_their_mean_over_workers():
+    """average_inner_state's step (a screening probe of sim_sweep): exp_avg becomes the workers'
+    mean on every worker; exp_avg_sq, not named, stays each worker's own."""
+    from scripts.sim import _average_state_
+
+    models = [TinyNet(seed=i) for i in range(3)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for worker, (model, optimizer) in enumerate(zip(models, optimizers)):
+        loss_on(model, worker, 0).backward()
+        optimizer.step()
+    param_lists = [[p for p in m.parameters() if p in o.state] for m, o in zip(models, optimizers)]
+    assert param_lists[0]
+    before = {
+        name: [[o.state[p][name].clone() for p in ps] for o, ps in zip(optimizers, param_lists)]
+        for name in ("exp_avg", "exp_avg_sq")
+    }
+    _average_state_(optimizers, ("exp_avg",))
+    for j in range(len(param_lists[0])):
+        mean = torch.stack([before["exp_avg"][w][j] for w in range(3)]).mean(0)
+        for w in range(3):
+            assert torch.equal(optimizers[w].state[param_lists[w][j]]["exp_avg"], mean)
+            assert torch.equal(optimizers[w].state[param_lists[w][j]]["exp_avg_sq"], before["exp_avg_sq"][w][j])
+    assert not torch.equal(before["exp_avg"][0][0], before["exp_avg"][1][0])  # there was something to average

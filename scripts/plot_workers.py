@@ -1,0 +1,106 @@
+"""The worker-count study: final loss against data parallel's, per method and number of workers.
+
+    python scripts/plot_workers.py results/workers_micro_600.jsonl --plot results/workers_micro_600.png
+
+Reads sim_sweep.py lines (each names its ``workers``) and prints a Markdown table per (model, steps,
+tau): for each config and worker count the mean final validation loss over seeds and its ratio to
+data parallel at the same global batch and AdamW lr ("dp") and to the best data-parallel run of the
+cell (dp and the dp_lr* learning rates: the tuned baseline). The plot draws the ratio to the tuned
+baseline against the number of workers, one line per config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(paths: list[Path]) -> dict[tuple, list[float]]:
+    """Final losses grouped by (model, steps, tau, workers, config); a (config, seed) met twice
+    counts once, the later line winning."""
+    by_seed: dict[tuple, float] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            run = json.loads(line)
+            key = (run["model"], run["steps"], run["tau"], run.get("workers", 4), run["config"], run["seed"])
+            by_seed[key] = run["final_val_loss"]
+    runs = defaultdict(list)
+    for key, loss in by_seed.items():
+        runs[key[:5]].append(loss)
+    return runs
+
+
+def baselines(runs: dict[tuple, list[float]], cell: tuple) -> tuple[float, float]:
+    """(dp at lr 1e-3, the best data-parallel learning rate) of one (model, steps, tau, workers)."""
+    dp = {c: statistics.fmean(v) for (*k, c), v in runs.items() if tuple(k) == cell and c.startswith("dp")}
+    return dp.get("dp", float("nan")), min(dp.values(), default=float("nan"))
+
+
+def table(runs: dict[tuple, list[float]]) -> str:
+    out = []
+    for setting in sorted({k[:3] for k in runs}):
+        counts = sorted({k[3] for k in runs if k[:3] == setting})
+        configs = sorted({k[4] for k in runs if k[:3] == setting})
+        model, steps, tau = setting
+        out.append(f"\n{model}, {steps} steps, tau {tau}: final validation loss, and / dp | / best dp lr")
+        out.append("| config | " + " | ".join(f"{w} workers" for w in counts) + " |")
+        out.append("|---|" + "---|" * len(counts))
+        for config in configs:
+            cells = []
+            for w in counts:
+                losses = runs.get((*setting, w, config))
+                if not losses:
+                    cells.append("")
+                    continue
+                dp, best = baselines(runs, (*setting, w))
+                mean = statistics.fmean(losses)
+                cells.append(f"{mean:.4f} ({mean / dp:.3f} / {mean / best:.3f}, n={len(losses)})")
+            out.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(runs: dict[tuple, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({k[:3] for k in runs})
+    fig, axes = plt.subplots(1, len(settings), figsize=(7 * len(settings), 4.8), squeeze=False, layout="constrained")
+    for ax, setting in zip(axes[0], settings):
+        configs = sorted({k[4] for k in runs if k[:3] == setting})
+        for i, config in enumerate(configs):
+            points = []
+            for (*k, w, c), losses in sorted(runs.items()):
+                if tuple(k) == setting and c == config:
+                    points.append((w, statistics.fmean(losses) / baselines(runs, (*setting, w))[1]))
+            points.sort()
+            ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", label=config)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("final validation loss / best data parallel")
+        ax.set_title(f"GPT-2 {setting[0]}, {setting[1]} steps, tau {setting[2]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    runs = load(args.results)
+    print(table(runs))
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
