@@ -66,3 +66,15 @@ $S --steps 600 --seeds 0 --jobs 1 --configs co2_sparse_k3_b2 co2_sparse_k2_b2_ke
   co2_sparse_k4_b2_keep_d95 --out results/screen_micro_600_sparse_keep.jsonl
 # ... and 4 of 256 kept and plain with 2 workers (the GPT recipe's count), seed 0
 $S --workers 2 --steps 600 --seeds 0 --configs co2_sparse_k4_b2_keep co2_sparse_k4_b2 --out results/screen_micro_600_sparse_keep_w2.jsonl
+# The worker-count study, issue 50 (stop 60): seed 0, 8 workers first: data parallel at three learning
+# rates, the defaults and local SGD at the same rates, the outer step (outer lr, momentum, Nesterov),
+# data parallel for the first 30/60 steps, and the inner AdamW moments averaged for free (a probe) ...
+$S --workers 8 --steps 600 --seeds 0 --configs dp co2 local_sgd dp_lr2e-3 co2_olr15 co2_olr2 dp_lr4e-3 co2_m5 \
+  co2_nesterov09 --out results/workers_micro_600.jsonl
+$S --workers 8 --steps 600 --seeds 0 --configs co2_lr2e-3 local_sgd_lr2e-3 co2_lr3e-3 dp_lr3e-3 \
+  --out results/workers_micro_600.jsonl
+$S --workers 8 --steps 600 --seeds 0 --configs co2_avg_m co2_avg_mv co2_sync60 co2_sync30 --out results/workers_micro_600.jsonl
+$S --workers 8 --steps 600 --seeds 0 --configs co2_lr4e-3 local_sgd_lr4e-3 --out results/workers_micro_600.jsonl
+# ... then the finalists at 16, 4 and 2 workers
+$S --workers 16 4 2 --steps 600 --seeds 0 --configs dp co2 local_sgd co2_sync60 dp_lr2e-3 dp_lr4e-3 \
+  --out results/workers_micro_600.jsonl

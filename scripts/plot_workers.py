@@ -6,7 +6,7 @@ Reads sim_sweep.py lines (each names its ``workers``) and prints a Markdown tabl
 tau): for each config and worker count the mean final validation loss over seeds and its ratio to
 data parallel at the same global batch and AdamW lr ("dp") and to the best data-parallel run of the
 cell (dp and the dp_lr* learning rates: the tuned baseline). The plot draws the ratio to the tuned
-baseline against the number of workers, one line per config.
+baseline against the number of workers, one line per config run at two counts or more.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def plot(runs: dict[tuple, list[float]], path: Path) -> None:
             for (*k, w, c), losses in sorted(runs.items()):
                 if tuple(k) == setting and c == config:
                     points.append((w, statistics.fmean(losses) / baselines(runs, (*setting, w))[1]))
+            if len(points) < 2:  # a config run at one count only (a screen) is in the table, not drawn
+                continue
             points.sort()
             ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", label=config)
         ax.axhline(1.0, color="k", lw=0.8)

@@ -186,7 +186,7 @@ CONFIGS.update({f"co2_sync{n}": dict(co2_sync_warmup_steps=n) for n in (30, 60, 
 
 # ... and the local methods at the same raised learning rates, so that a gain of data parallel from
 # its lr is not mistaken for a gain from its batch: {config}_lr{lr}
-for _base in ("co2", "local_sgd", "co2_default"):
+for _base in ("co2", "local_sgd", "co2_default", "co2_sync60"):
     for _lr in ("2e-3", "3e-3", "4e-3"):
         CONFIGS[f"{_base}_lr{_lr}"] = CONFIGS[_base]
         LEARNING_RATES[f"{_base}_lr{_lr}"] = float(_lr)
