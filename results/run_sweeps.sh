@@ -78,3 +78,5 @@ $S --workers 8 --steps 600 --seeds 0 --configs co2_lr4e-3 local_sgd_lr4e-3 --out
 # ... then the finalists at 16, 4 and 2 workers
 $S --workers 16 4 2 --steps 600 --seeds 0 --configs dp co2 local_sgd co2_sync60 dp_lr2e-3 dp_lr4e-3 \
   --out results/workers_micro_600.jsonl
+# ... and seed 1 of the main cells at 8 and 16 workers (a file of its own: the doc's table is seed 0's)
+$S --workers 8 16 --steps 600 --seeds 1 --configs dp co2 co2_sync60 dp_lr2e-3 --out results/workers_micro_600_seed1.jsonl
