@@ -111,7 +111,7 @@ def _average_state_(optimizers, names) -> None:
                         t.copy_(mean)
 
 
-def _train_co2(workers, config, task, steps, seed, eval_every, result, average_inner_state=()) -> None:
+def _train_co2(workers, config, task, steps, seed, eval_every, result, average_inner_state) -> None:
     network = SimulatedNetwork(workers)
     models = [task.build_model(seed + i) for i in range(workers)]  # like ranks; CO2 broadcasts worker 0's
     optimizers = [task.build_optimizer(m) for m in models]

@@ -174,7 +174,7 @@ CONFIGS.update(
 )
 
 # data parallel with its AdamW learning rate raised for its global batch (workers x 8 blocks), so that
-# the baseline is tuned as well as the methods it is compared with; every other config uses 1e-3
+# the baseline is tuned as well as the methods it is compared with; a config not named here uses 1e-3
 LEARNING_RATES = {"dp_lr2e-3": 2e-3, "dp_lr3e-3": 3e-3, "dp_lr4e-3": 4e-3}
 CONFIGS.update({name: None for name in LEARNING_RATES})
 # screening probes (scripts/sim.py, average_inner_state): the inner AdamW's moments averaged over the
@@ -274,7 +274,7 @@ def run_one(job: dict) -> dict:
 
     overrides = CONFIGS[job["config"]]
     config = None if overrides is None else CO2Config(**{"co2_local_steps": job["tau"], **overrides})
-    task = make_task(job["model"], job["steps"], job["seed"], job.get("lr", 1e-3))
+    task = make_task(job["model"], job["steps"], job["seed"], job.get("lr", 1e-3))  # bytes_frontier.py sends no lr
     result = train_simulated(
         workers=job["workers"],
         config=config,
