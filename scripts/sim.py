@@ -73,7 +73,9 @@ def train_simulated(
     ``average_inner_state`` (a screening probe, not an engine setting): names of the inner optimizer's
     state tensors (AdamW: ``exp_avg``, ``exp_avg_sq``) replaced by their mean over the workers after
     every ``co2_local_steps`` steps, at once and for free: an upper bound of what averaging them
-    through the wire could give."""
+    through the wire could give. ``"global_exp_avg_sq"`` replaces AdamW's second moment by an estimate
+    of the second moment of the workers' *averaged* gradient (`_global_second_moment_`), the
+    denominator data parallel's AdamW divides by."""
     start, result = time.perf_counter(), SimResult()
     if config is None:
         _train_data_parallel(workers, task, steps, seed, eval_every, result)
@@ -111,6 +113,51 @@ def _average_state_(optimizers, names) -> None:
                         t.copy_(mean)
 
 
+def _global_second_moment_(optimizers, steps_apart: int) -> None:
+    """Every worker's AdamW ``exp_avg_sq`` replaced by an estimate of the second moment of the gradient
+    averaged over the W workers, from the means of their moments (bias-corrected): with m and u the
+    workers' mean first and own second moments, the mean gradient's square is about m^2 and one worker's
+    noise variance about u - m^2, so the averaged gradient's second moment is m^2 + (u - m^2) / W,
+    never above u. Each worker's own second moment holds the noise of its own batch; data parallel's
+    holds 1/W of it, so its steps are larger where the gradient is noisy (the probe asks whether that
+    is the gap).
+
+    u is each worker's own moment, kept beside AdamW's (``probe_own_sq``): what AdamW added since the
+    last replacement (``probe_set_sq``, decayed by beta2 per step for ``steps_apart`` steps) joins
+    it, so that an estimate is never taken as a worker's own and divided by W again."""
+    n = len(optimizers)
+    for group in zip(*(o.param_groups for o in optimizers)):
+        beta1, beta2 = group[0]["betas"]
+        for params in zip(*(g["params"] for g in group)):
+            states = [o.state[p] for o, p in zip(optimizers, params)]
+            if not all("exp_avg_sq" in s for s in states):
+                continue
+            decay = beta2**steps_apart
+            for s in states:
+                if "probe_own_sq" in s:
+                    s["probe_own_sq"].mul_(decay).add_(s["exp_avg_sq"] - decay * s["probe_set_sq"])
+                else:
+                    s["probe_own_sq"] = s["exp_avg_sq"].clone()
+            step = float(states[0]["step"])
+            c1, c2 = 1 - beta1**step, 1 - beta2**step
+            m = torch.stack([s["exp_avg"] for s in states]).mean(0) / c1
+            u = torch.stack([s["probe_own_sq"] for s in states]).mean(0).clamp(min=0) / c2
+            noise = (u - m * m).clamp_(min=0)
+            estimate = torch.minimum(m * m + noise / n, u) * c2
+            for s in states:
+                s["exp_avg_sq"].copy_(estimate)
+                s["probe_set_sq"] = estimate.clone()
+
+
+def _probe_(optimizers, names, steps_apart: int) -> None:
+    """The inner-state probe of `train_simulated` (``average_inner_state``) after a round's steps."""
+    plain = tuple(name for name in names if name != "global_exp_avg_sq")
+    if plain:
+        _average_state_(optimizers, plain)
+    if "global_exp_avg_sq" in names:
+        _global_second_moment_(optimizers, steps_apart)
+
+
 def _train_co2(workers, config, task, steps, seed, eval_every, result, average_inner_state) -> None:
     network = SimulatedNetwork(workers)
     models = [task.build_model(seed + i) for i in range(workers)]  # like ranks; CO2 broadcasts worker 0's
@@ -134,8 +181,9 @@ def _train_co2(workers, config, task, steps, seed, eval_every, result, average_i
                 if scheduler is not None:
                     scheduler.step()
             list(pool.map(lambda e: e.step(), engines))
-            if average_inner_state and (step + 1) % config.co2_local_steps == 0:
-                _average_state_(optimizers, average_inner_state)
+            # (in the warm-up every worker already steps on the averaged gradient)
+            if average_inner_state and not engines[0].in_warmup and (step + 1) % config.co2_local_steps == 0:
+                _probe_(optimizers, average_inner_state, config.co2_local_steps)
             if eval_every and (step + 1) % eval_every == 0:
                 # in the warm-up the live model is the global one (and its state_dict holds tied
                 # weights twice, which functional_call refuses)

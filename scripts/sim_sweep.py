@@ -180,7 +180,14 @@ CONFIGS.update({name: None for name in LEARNING_RATES})
 # screening probes (scripts/sim.py, average_inner_state): the inner AdamW's moments averaged over the
 # workers every tau steps, for free (an upper bound of what sending them would give), and data
 # parallel for the first co2_sync_warmup_steps (post-local SGD's warm-up)
-INNER_STATE = {"co2_avg_m": ("exp_avg",), "co2_avg_mv": ("exp_avg", "exp_avg_sq"), "local_sgd_avg_m": ("exp_avg",)}
+# ("_gv": AdamW's second moment replaced by the averaged gradient's, estimated from the moments)
+INNER_STATE = {
+    "co2_avg_m": ("exp_avg",),
+    "co2_avg_mv": ("exp_avg", "exp_avg_sq"),
+    "local_sgd_avg_m": ("exp_avg",),
+    "co2_avg_gv": ("global_exp_avg_sq",),
+    "local_sgd_avg_gv": ("global_exp_avg_sq",),
+}
 CONFIGS.update({name: CONFIGS[name.rsplit("_avg_", 1)[0]] for name in INNER_STATE})
 CONFIGS.update({f"co2_sync{n}": dict(co2_sync_warmup_steps=n) for n in (30, 60, 120)})
 

@@ -120,3 +120,38 @@ def test_the_inner_state_probe_replaces_only_the_named_moments_by_their_mean_ove
             assert torch.equal(optimizers[w].state[param_lists[w][j]]["exp_avg"], mean)
             assert torch.equal(optimizers[w].state[param_lists[w][j]]["exp_avg_sq"], before["exp_avg_sq"][w][j])
     assert not torch.equal(before["exp_avg"][0][0], before["exp_avg"][1][0])  # there was something to average
+
+
+def _stepped_adamw(workers: int, steps: int):
+    """AdamW on TinyNet per worker, each stepped ``steps`` times on its own batches."""
+    models = [TinyNet(seed=i) for i in range(workers)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(steps):
+        for worker, (model, optimizer) in enumerate(zip(models, optimizers)):
+            optimizer.zero_grad()
+            loss_on(model, worker, step).backward()
+            optimizer.step()
+    return models, optimizers
+
+
+def test_the_global_second_moment_probe_is_the_averaged_gradients_estimate_and_is_not_applied_twice():
+    """global_exp_avg_sq (a screening probe of sim_sweep): every worker's exp_avg_sq becomes
+    m^2 + (u - m^2) / W in bias-corrected units (m, u: the workers' mean moments), at most u; taken again
+    with no step between, it is unchanged: the estimate is never mistaken for a worker's own moment."""
+    from scripts.sim import _global_second_moment_
+
+    workers, steps = 3, 4
+    models, optimizers = _stepped_adamw(workers, steps)
+    beta1, beta2 = optimizers[0].param_groups[0]["betas"]
+    c1, c2 = 1 - beta1**steps, 1 - beta2**steps
+    params = [next(iter(m.parameters())) for m in models]
+    m = torch.stack([o.state[p]["exp_avg"] for o, p in zip(optimizers, params)]).mean(0) / c1
+    u = torch.stack([o.state[p]["exp_avg_sq"] for o, p in zip(optimizers, params)]).mean(0) / c2
+    expected = torch.minimum(m * m + (u - m * m).clamp(min=0) / workers, u) * c2
+    _global_second_moment_(optimizers, steps_apart=steps)
+    for o, p in zip(optimizers, params):
+        torch.testing.assert_close(o.state[p]["exp_avg_sq"], expected)
+    assert (expected < u * c2).any()  # the workers' noise was there to divide
+    _global_second_moment_(optimizers, steps_apart=0)
+    for o, p in zip(optimizers, params):
+        torch.testing.assert_close(o.state[p]["exp_avg_sq"], expected)
