@@ -80,3 +80,11 @@ $S --workers 16 4 2 --steps 600 --seeds 0 --configs dp co2 local_sgd co2_sync60 
   --out results/workers_micro_600.jsonl
 # ... and seed 1 of the main cells at 8 and 16 workers (a file of its own: the doc's table is seed 0's)
 $S --workers 8 16 --steps 600 --seeds 1 --configs dp co2 co2_sync60 dp_lr2e-3 --out results/workers_micro_600_seed1.jsonl
+# ... seed 2 of the main cells, a 120-step warm-up, the second-moment probe ("_avg_gv"), and 2400 steps
+# at 4 and 16 workers (stop 61)
+$S --workers 16 8 --steps 600 --seeds 0 --configs co2_sync120 --out results/workers_micro_600.jsonl
+$S --workers 16 8 --steps 600 --seeds 2 --configs dp co2 co2_sync60 dp_lr2e-3 --out results/workers_micro_600_seed2.jsonl
+$S --workers 8 --steps 600 --seeds 0 --configs co2_avg_gv local_sgd_avg_gv --out results/workers_micro_600.jsonl
+$S --workers 4 --steps 2400 --eval_every 200 --seeds 0 --configs dp co2 co2_sync60 local_sgd dp_lr2e-3 \
+  --out results/workers_micro_2400.jsonl
+$S --workers 16 --steps 2400 --eval_every 200 --seeds 0 --configs dp co2 --out results/workers_micro_2400.jsonl
