@@ -88,3 +88,6 @@ $S --workers 8 --steps 600 --seeds 0 --configs co2_avg_gv local_sgd_avg_gv --out
 $S --workers 4 --steps 2400 --eval_every 200 --seeds 0 --configs dp co2 co2_sync60 local_sgd dp_lr2e-3 \
   --out results/workers_micro_2400.jsonl
 $S --workers 16 --steps 2400 --eval_every 200 --seeds 0 --configs dp co2 --out results/workers_micro_2400.jsonl
+# ... and the probe at 16 workers (seed 0) and at 8 (seed 1)
+$S --workers 16 --steps 600 --seeds 0 --configs co2_avg_gv --out results/workers_micro_600.jsonl
+$S --workers 8 --steps 600 --seeds 1 --configs co2_avg_gv --out results/workers_micro_600_seed1.jsonl
