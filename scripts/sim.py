@@ -101,16 +101,22 @@ def _train_data_parallel(workers, task, steps, seed, eval_every, result) -> None
     result.final = task.evaluate(model, None)
 
 
-def _average_state_(optimizers, names) -> None:
-    """Every worker's ``names`` state tensors replaced by their mean over the workers (in worker order)."""
+def _same_param_states(optimizers):
+    """(the first worker's param group, every worker's state of one parameter), parameter by parameter
+    in the workers' common order; a state is empty before the parameter's first step."""
     for group in zip(*(o.param_groups for o in optimizers)):
         for params in zip(*(g["params"] for g in group)):
-            for name in names:
-                tensors = [o.state[p][name] for o, p in zip(optimizers, params) if name in o.state[p]]
-                if len(tensors) == len(optimizers):
-                    mean = torch.stack(tensors).mean(0)
-                    for t in tensors:
-                        t.copy_(mean)
+            yield group[0], [o.state[p] for o, p in zip(optimizers, params)]
+
+
+def _average_state_(optimizers, names) -> None:
+    """Every worker's ``names`` state tensors replaced by their mean over the workers (in worker order)."""
+    for _, states in _same_param_states(optimizers):
+        for name in names:
+            if all(name in s for s in states):
+                mean = torch.stack([s[name] for s in states]).mean(0)
+                for s in states:
+                    s[name].copy_(mean)
 
 
 def _global_second_moment_(optimizers, steps_apart: int) -> None:
@@ -126,27 +132,25 @@ def _global_second_moment_(optimizers, steps_apart: int) -> None:
     last replacement (``probe_set_sq``, decayed by beta2 per step for ``steps_apart`` steps) joins
     it, so that an estimate is never taken as a worker's own and divided by W again."""
     n = len(optimizers)
-    for group in zip(*(o.param_groups for o in optimizers)):
-        beta1, beta2 = group[0]["betas"]
-        for params in zip(*(g["params"] for g in group)):
-            states = [o.state[p] for o, p in zip(optimizers, params)]
-            if not all("exp_avg_sq" in s for s in states):
-                continue
-            decay = beta2**steps_apart
-            for s in states:
-                if "probe_own_sq" in s:
-                    s["probe_own_sq"].mul_(decay).add_(s["exp_avg_sq"] - decay * s["probe_set_sq"])
-                else:
-                    s["probe_own_sq"] = s["exp_avg_sq"].clone()
-            step = float(states[0]["step"])
-            c1, c2 = 1 - beta1**step, 1 - beta2**step
-            m = torch.stack([s["exp_avg"] for s in states]).mean(0) / c1
-            u = torch.stack([s["probe_own_sq"] for s in states]).mean(0).clamp(min=0) / c2
-            noise = (u - m * m).clamp_(min=0)
-            estimate = torch.minimum(m * m + noise / n, u) * c2
-            for s in states:
-                s["exp_avg_sq"].copy_(estimate)
-                s["probe_set_sq"] = estimate.clone()
+    for group, states in _same_param_states(optimizers):
+        if not all("exp_avg_sq" in s for s in states):
+            continue
+        beta1, beta2 = group["betas"]
+        decay = beta2**steps_apart
+        for s in states:
+            if "probe_own_sq" in s:
+                s["probe_own_sq"].mul_(decay).add_(s["exp_avg_sq"] - decay * s["probe_set_sq"])
+            else:
+                s["probe_own_sq"] = s["exp_avg_sq"].clone()
+        step = float(states[0]["step"])
+        c1, c2 = 1 - beta1**step, 1 - beta2**step
+        m = torch.stack([s["exp_avg"] for s in states]).mean(0) / c1
+        u = torch.stack([s["probe_own_sq"] for s in states]).mean(0).clamp(min=0) / c2
+        noise = (u - m * m).clamp_(min=0)
+        estimate = torch.minimum(m * m + noise / n, u) * c2
+        for s in states:
+            s["exp_avg_sq"].copy_(estimate)
+            s["probe_set_sq"] = estimate  # one read-only tensor shared by the workers
 
 
 def _probe_(optimizers, names, steps_apart: int) -> None:
