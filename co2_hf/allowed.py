@@ -65,6 +65,7 @@ MAX_QUANT_BLOCK = 4096
 # A thousand rounds in a row in which no worker is finite is a diverged run: past that, say "never stop"
 # (0) instead of a number that means it.
 MAX_SKIPPED_ROUNDS = 1000
+MAX_MOMENT_ROUNDS = 10_000  # co2_global_second_moment_every: beyond it Adam's beta2 has forgotten the estimate
 # No sparse block holds more than MAX_SPARSE_BLOCK values, so a lower density keeps less than one value
 # in every block, and the wire sends one per block whatever it says (1e-9 would send 1/256 of them).
 MIN_SPARSE_DENSITY = 1 / MAX_SPARSE_BLOCK
@@ -131,6 +132,7 @@ def check_settings(config: Any) -> None:
     _check_window(config)
     _check_fragments(config)
     _check_sparse(config)
+    _check_second_moment(config)
     timeout = config.co2_timeout_s
     _check(
         "co2_timeout_s",
@@ -216,6 +218,29 @@ def _check_fragments(config: Any) -> None:
             f"each fragment's average is applied co2_local_steps / co2_fragments = {tau // fragments} "
             "steps after its launch. Allowed value here is None"
         )
+
+
+def _check_second_moment(config: Any) -> None:
+    """``co2_global_second_moment_every``: a number of rounds, and refused where it is not built: its
+    all-reduce would share the outer group with a coded wire's background thread, a torchft quorum could
+    change the workers between its launch and its apply, and its state is neither sharded inside a worker
+    nor re-sharded."""
+    name = "co2_global_second_moment_every"
+    _check_int(config, name, minimum=0, maximum=MAX_MOMENT_ROUNDS, zero="0: off")
+    if config.co2_global_second_moment_every == 0:
+        return
+    others = {
+        "co2_comm_dtype": (config.co2_comm_dtype in CODED_WIRES, "'float32' or 'bfloat16'"),
+        "co2_fault_tolerance": (config.co2_fault_tolerance != "none", "'none'"),
+        "co2_worker_size": (config.co2_worker_size != 1, "1"),
+        "co2_elastic": (config.co2_elastic, "False"),
+    }
+    for other, (refused, allowed) in others.items():
+        if refused:
+            raise ValueError(
+                f"{name}={config.co2_global_second_moment_every} with {other}={getattr(config, other)!r}: "
+                f"allowed is {other}={allowed} (not built for it), or {name}=0"
+            )
 
 
 def _check_sparse(config: Any) -> None:

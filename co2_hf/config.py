@@ -22,6 +22,7 @@ from .allowed import (
     CODE_BITS,
     MAX_GAP_PENALTY,
     MAX_LOCAL_STEPS,
+    MAX_MOMENT_ROUNDS,
     MAX_OUTER_LR,
     MAX_QUANT_BLOCK,
     MAX_SKIPPED_ROUNDS,
@@ -167,6 +168,14 @@ class CO2Config:
         0,
         "Inner steps of plain data parallel (gradients averaged every step) before local updating "
         f"(at most {MAX_STEPS:.0e}, and fewer than --max_steps).",
+    )
+    co2_global_second_moment_every: int = _knob(
+        0,
+        f"K in [1, {MAX_MOMENT_ROUNDS}]: every K rounds the workers all-reduce their Adam(W) moments and "
+        "each replaces its second moment by the estimate for the gradient averaged over the workers, "
+        "which data parallel's Adam divides by (docs/algorithm.md, 'The inner second "
+        "moment'); 2 model sizes of fp32 per exchange, overlapped with the next "
+        "round. Adam/AdamW only. 0: off, each worker's Adam keeps its own.",
     )
     co2_worker_size: int = _knob(
         1,

@@ -32,6 +32,7 @@ LOCAL_SETTINGS = {
     "window": dict(co2_fragments=1, co2_overlap_steps=2, co2_start_rule="eager"),
     "bfloat16_wire": dict(co2_comm_dtype="bfloat16"),
     "warmup": dict(co2_sync_warmup_steps=3),
+    "second_moment": dict(co2_global_second_moment_every=1),
 }
 GLOO_SETTINGS = {
     "float32": {},

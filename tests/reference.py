@@ -246,3 +246,61 @@ class ReferenceCO2:
 
 def _mean(dicts: list[dict]) -> dict:
     return {n: sum(d[n] for d in dicts) / len(dicts) for n in dicts[0]}
+
+
+class ReferenceSecondMoment:
+    """``co2_global_second_moment_every`` as defined (docs/algorithm.md, "The inner second moment"),
+    naively and in float64, from each worker's gradients: every worker's *own* second moment is kept
+    here directly (u <- beta2 u + (1 - beta2) g^2 at each Adam step), never taken from Adam's state,
+    so the engine's offset bookkeeping is checked, not repeated.
+
+    Call ``adam_step(grads)`` after each Adam step with every worker's gradients (name -> tensor), and
+    ``expected(...)`` at a round end: each worker's Adam second moment after the engine's apply."""
+
+    def __init__(self, workers: int, beta1: float, beta2: float) -> None:
+        self.workers, self.beta1, self.beta2 = workers, beta1, beta2
+        self.own: list[dict[str, torch.Tensor]] = [{} for _ in range(workers)]
+        self.steps = 0
+        self.sent = None  # (step, [(m_hat, u_hat, u_own) per worker]) of the exchange in flight
+
+    def adam_step(self, grads: list[dict[str, torch.Tensor]]) -> None:
+        self.steps += 1
+        for own, worker_grads in zip(self.own, grads):
+            for name, g in worker_grads.items():
+                g = g.double()
+                own[name] = self.beta2 * own.get(name, torch.zeros_like(g)) + (1 - self.beta2) * g * g
+
+    def launch(self, exp_avg: list[dict[str, torch.Tensor]]) -> None:
+        """At a launching round end: the workers' first moments (Adam's ``exp_avg``) and their own second."""
+        t = self.steps
+        c1, c2 = 1 - self.beta1**t, 1 - self.beta2**t
+        self.sent = (
+            t,
+            [
+                (
+                    {n: m.double() / c1 for n, m in ms.items()},
+                    {n: u / c2 for n, u in own.items()},
+                    {n: u.clone() for n, u in own.items()},
+                )
+                for ms, own in zip(exp_avg, self.own)
+            ],
+        )
+
+    def expected(self) -> list[dict[str, torch.Tensor]]:
+        """Each worker's Adam second moment after the apply, one round after `launch`: its own now plus
+        beta2^(steps since) * (the averaged gradient's estimate at the launch - its own then)."""
+        t0, sent = self.sent
+        W, c2 = self.workers, 1 - self.beta2**t0
+        decay = self.beta2 ** (self.steps - t0)
+        result = []
+        for w in range(W):
+            moments = {}
+            for name in sent[0][0]:
+                m = sum(s[0][name] for s in sent) / W
+                u = sum(s[1][name] for s in sent) / W
+                noise = torch.clamp(u - m * m, min=0)
+                estimate = torch.minimum(m * m + noise / W, u) * c2
+                moments[name] = self.own[w][name] + decay * (estimate - sent[w][2][name])
+            result.append(moments)
+        self.sent = None
+        return result

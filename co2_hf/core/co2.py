@@ -41,6 +41,7 @@ from .fragment import Fragment
 from .groups import make_communicator
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
 from .live import LiveTensors, Scratch, has_dtensors, pin_state, state_device
+from .moments import GlobalSecondMoment
 from .reports import Reports
 from .rules import warn_about_start_rule
 from .schedule import Event, Plan, fit_default_fragments
@@ -59,6 +60,7 @@ class CO2(Reports, AnchorViews):
             needs torchft's communicator (``co2_hf.torchft.TorchFT(config).build``); ``co2_elastic``
             is the Trainer's (on its own, resume elsewhere with ``reshard.load_resharded``).
         optimizer: the inner optimizer; when given, a worker found non-finite has its state cleared.
+            Needed by ``co2_global_second_moment_every`` (torch Adam or AdamW: ``moments.py``).
         process_group: the group of workers; None makes a dedicated group over all ranks of the
             default group (collective: every rank constructs CO2 at the same point), or runs a
             single worker when torch.distributed is not initialised.
@@ -112,6 +114,7 @@ class CO2(Reports, AnchorViews):
         self._anchor = torch.zeros(n, **zeros)
         self._momentum = torch.zeros(n, **zeros)
         self.optimizer = optimizer  # a worker found non-finite has its state cleared
+        self._moments = _second_moment(cfg, optimizer, comm)
         self._tally = Tally(len(self.layout.fragment_edges) - 1, compute)  # what the device counts (tally.py)
         self.fragments = self._make_fragments(pinned)
         warn_about_start_rule(self.plan)
@@ -252,6 +255,8 @@ class CO2(Reports, AnchorViews):
         self.progress.round += 1
         self.progress.round_step = 0
         self._watch.round_ended()
+        if self._moments is not None:
+            self._moments.round_ended(self.progress.round)
 
     # ------------------------------------------------------------ the rest of the API (and reports.py, anchor.py)
 
@@ -294,6 +299,8 @@ class CO2(Reports, AnchorViews):
             if self.plan.steps_since_boundary(f, p.round, p.round_step) > 0:
                 part.boundary(p.inner_steps)
             part.finish()
+        if self._moments is not None:
+            self._moments.finish()
         self._pool.trim()
         self._flush()
         self.live.write_all(lambda chunk: self._anchor[chunk.start : chunk.stop])  # floats too
@@ -324,6 +331,7 @@ class CO2(Reports, AnchorViews):
             "momentum": self._momentum,
             "counters": to_dict(self.progress),
             "fragments": fragments,
+            "second_moment": None if self._moments is None else self._moments.state_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -337,6 +345,8 @@ class CO2(Reports, AnchorViews):
         self._momentum.copy_(saved["momentum"])
         for part, kept in zip(self.fragments, saved["fragments"], strict=True):
             part.load_state_dict(kept)
+        if self._moments is not None:
+            self._moments.load_state_dict(saved["second_moment"])  # the config matched: it was saved
         self.progress = from_dict(Progress, saved["counters"])
 
     def check_peer_state(self, sent: dict[str, Any]) -> None:
@@ -371,6 +381,15 @@ class CO2(Reports, AnchorViews):
             "num_workers": self.num_workers,
             "worker_index": self.comm.worker_index,
         }
+
+
+def _second_moment(cfg: CO2Config, optimizer: Any, comm: Communicator) -> GlobalSecondMoment | None:
+    """``co2_global_second_moment_every``'s exchange (``moments.py``), or None where it is off."""
+    if cfg.co2_global_second_moment_every == 0:
+        return None
+    if optimizer is None:
+        raise ValueError("co2_global_second_moment_every > 0 needs CO2(..., optimizer=) (the inner Adam or AdamW)")
+    return GlobalSecondMoment(optimizer, comm, every=cfg.co2_global_second_moment_every, timeout_s=cfg.co2_timeout_s)
 
 
 def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:

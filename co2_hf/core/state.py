@@ -36,6 +36,7 @@ ADDED_SETTINGS = {
     "co2_sparse_bits": 2,
     "co2_sparse_feedback_decay": 1.0,
     "co2_sparse_keep_unsent": False,
+    "co2_global_second_moment_every": 0,
 }
 # The hosting settings (co2_elastic, co2_fault_tolerance: `co2_hf.config.HOSTING`) are in no state's
 # config, old or new: `CO2Config.co2_dict` leaves them out, so how a run was hosted never stops a resume.

@@ -1,0 +1,221 @@
+"""`GlobalSecondMoment`: ``co2_global_second_moment_every`` (``docs/algorithm.md``, "The inner
+second moment").
+
+Each worker's Adam(W) divides its step by a second moment of its *own* small batch's gradients,
+which holds W times the gradient noise that data parallel's (of the averaged gradient) holds, so
+the local methods take smaller steps where the gradient is noisy. Every K rounds the workers
+all-reduce their bias-corrected moments (first m, and each worker's own second u), and each worker
+replaces its Adam second moment by the averaged gradient's estimate ``m^2 + (u - m^2) / W``.
+
+The all-reduce is launched at a round's end and applied at the next one, tau steps later (it
+overlaps a round of compute); the estimate, taken at the launch, enters decayed by beta2 for the
+steps between, beside what Adam added meanwhile from the worker's own gradients. Each worker keeps
+``offset``, Adam's second moment minus its own (that decays by beta2 per step), so that an estimate
+is never taken for a worker's own moment and divided by W a second time.
+
+Pure tensor work on the parameters' device: no host read. One flat buffer of ``2n + P`` floats (n
+optimizer elements, P parameters: a worker without state for a parameter says so in its slot),
+a copy of the own moment (n) while the exchange is in flight, and the offset (n).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from .comm import Communicator, Pending
+
+
+def adam_of(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch Adam or AdamW inside ``optimizer`` (through wrappers' ``.optimizer``, as Accelerate's
+    and the Trainer's), or ``ValueError`` naming the setting and what it needs."""
+    inner = optimizer
+    while inner is not None and not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    flag = "co2_global_second_moment_every"
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(
+            f"{flag} > 0 needs the inner optimizer to be torch.optim.Adam or AdamW (it rescales their "
+            f"exp_avg_sq), got {type(optimizer).__name__}; set {flag}=0 or train with AdamW"
+        )
+    if any(group.get("amsgrad") for group in inner.param_groups):
+        raise ValueError(f"{flag} > 0 with amsgrad=True: allowed is amsgrad=False (max_exp_avg_sq is not rescaled)")
+    if any(isinstance(p, DTensor) for p in _params(inner)):
+        raise ValueError(f"{flag} > 0 with DTensor parameters (FSDP2, tensor parallel): allowed is plain tensors")
+    return inner
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class GlobalSecondMoment:
+    """Every ``every`` rounds, this worker's Adam second moment becomes the averaged gradient's
+    estimate (module docstring); ``round_ended`` after each round, ``finish`` at the end."""
+
+    def __init__(self, optimizer: Any, comm: Communicator, *, every: int, timeout_s: float) -> None:
+        self.adam, self.comm, self.every, self.timeout_s = adam_of(optimizer), comm, every, timeout_s
+        self.params = _params(self.adam)
+        self.edges = [0]
+        for p in self.params:
+            self.edges.append(self.edges[-1] + p.numel())
+        device = self.params[0].device if self.params else torch.device("cpu")
+        n, count = self.edges[-1], len(self.params)
+        self.offset = torch.zeros(n, dtype=torch.float32, device=device)  # Adam's moment minus the own
+        # Adam's step counts where Adam keeps them: on the host unless fused or capturable, so that
+        # reading them is never a device read (they only scale tensors on the device)
+        on_device = any(group.get("fused") or group.get("capturable") for group in self.adam.param_groups)
+        self.step_device = device if on_device else torch.device("cpu")
+        self.offset_step = torch.zeros(count, dtype=torch.float32, device=self.step_device)  # the offset's step
+        self.pending: Pending | None = None
+        self.received = False  # the pending sum has arrived (waited for at a checkpoint)
+        self.own = torch.zeros(0, device=device)  # the own moment at the launch, while in flight
+        self.launch_step = torch.zeros(0, device=self.step_device)
+        # each parameter's exp_avg_sq when the offset was last set: another tensor (or none) means
+        # Adam's state was cleared or replaced since, and all of the moment is the worker's own again
+        self._seen: list[Any] = [None] * count
+
+    # ------------------------------------------------------------------ the verbs
+
+    @torch.no_grad()
+    def round_ended(self, rounds: int) -> None:
+        """After round ``rounds`` (1, 2, ...): apply the exchange launched a round ago, launch the next when due."""
+        if self.pending is not None:
+            self._apply()
+        if rounds % self.every == 0:
+            self._launch()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The end of training: the exchange in flight applied now."""
+        if self.pending is not None:
+            self._apply()
+
+    def drain(self) -> None:
+        """Wait for the exchange in flight (a checkpoint keeps the sum, applied on schedule)."""
+        if self.pending is not None and not self.received:
+            self.comm.wait(self.pending, self.timeout_s)
+            self.received = True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        self.drain()
+        flight = None
+        if self.pending is not None:
+            flight = {"sum": self.pending.tensor, "own": self.own, "launch_step": self.launch_step}
+        return {"offset": self.offset, "offset_step": self.offset_step, "in_flight": flight}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if saved["offset"].shape != self.offset.shape:
+            raise ValueError(
+                "the CO2 checkpoint's second-moment state does not match this optimizer "
+                f"({saved['offset'].numel()} elements saved, {self.offset.numel()} now)"
+            )
+        self.offset.copy_(saved["offset"])
+        self.offset_step.copy_(saved["offset_step"])
+        self._remember()  # the optimizer's state, loaded before this one, is the state the offset is of
+        flight = saved["in_flight"]
+        self.pending, self.received = None, False
+        if flight is not None:
+            self.pending = Pending(flight["sum"].to(self.offset.device, copy=True))
+            self.pending.mark_waited()
+            self.received = True
+            self.own = flight["own"].to(self.offset.device, copy=True)
+            self.launch_step = flight["launch_step"].to(self.step_device, copy=True)
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _launch(self) -> None:
+        """Send [m / c1, u / c2, present] of every parameter (zeros where this worker has no state);
+        the offset is brought to this step and the own moment kept for the apply."""
+        n, count = self.edges[-1], len(self.params)
+        buffer = torch.zeros(2 * n + count, dtype=torch.float32, device=self.offset.device)
+        self.own = torch.zeros(n, dtype=torch.float32, device=self.offset.device)
+        self.launch_step = torch.zeros(count, dtype=torch.float32, device=self.step_device)
+        for i, (p, beta1, beta2) in enumerate(self._each()):
+            state = self.adam.state.get(p, {})
+            if "exp_avg_sq" not in state:
+                continue
+            lo, hi = self.edges[i], self.edges[i + 1]
+            step = _step(state)
+            offset = self._offset_now(i, state, step, beta2)
+            own = (state["exp_avg_sq"].reshape(-1).float() - offset).clamp_(min=0)
+            self.offset[lo:hi] = offset
+            self.offset_step[i] = step
+            self.own[lo:hi] = own
+            self.launch_step[i] = step
+            buffer[lo:hi] = state["exp_avg"].reshape(-1).float() / (1 - beta1**step)
+            buffer[n + lo : n + hi] = own / (1 - beta2**step)
+            buffer[2 * n + i].fill_(1.0)  # (a fill: no tensor made from host data)
+        self._remember()
+        self.pending, self.received = self.comm.launch(buffer), False
+
+    def _apply(self) -> None:
+        """Adam's second moment <- the own one now + beta2^(steps since the launch) * (E - own at the
+        launch), E the averaged gradient's estimate at the launch (module docstring)."""
+        if not self.received:
+            self.comm.wait(self.pending, self.timeout_s)
+        total, n = self.pending.tensor, self.edges[-1]
+        for i, (p, _, beta2) in enumerate(self._each()):
+            state = self.adam.state.get(p, {})
+            lo, hi = self.edges[i], self.edges[i + 1]
+            workers = total[2 * n + i]
+            if "exp_avg_sq" not in state or not self._same(i, state):  # cleared since the launch
+                self.offset[lo:hi].zero_()  # its own moment is all it has; the exchange is not applied here
+                if "step" in state:
+                    self.offset_step[i].copy_(_step(state))
+                continue
+            step, launched = _step(state), self.launch_step[i]
+            applies = (workers > 0) & (launched > 0)  # some worker sent it, and so did this one
+            many = workers.clamp(min=1)
+            m = total[lo:hi] / many
+            u = total[n + lo : n + hi] / many
+            noise = (u - m * m).clamp_(min=0)
+            estimate = torch.minimum(m * m + noise / many, u) * (1 - beta2**launched)
+            decay = beta2 ** (step - launched)
+            offset_now = self._offset_now(i, state, step, beta2)
+            exp_avg_sq = state["exp_avg_sq"]
+            own_now = exp_avg_sq.reshape(-1).float() - offset_now
+            new_offset = decay * (estimate - self.own[lo:hi])
+            new = torch.where(applies, (own_now + new_offset).clamp_(min=0), exp_avg_sq.reshape(-1).float())
+            exp_avg_sq.copy_(new.view_as(exp_avg_sq).to(exp_avg_sq.dtype))
+            self.offset[lo:hi] = torch.where(applies, new_offset, offset_now)
+            self.offset_step[i] = step
+        self._remember()
+        self.pending, self.received = None, False
+
+    def _offset_now(self, i: int, state: dict[str, Any], step: Tensor, beta2: float) -> Tensor:
+        """The offset brought from its step to ``step`` (beta2 per step); 0 where Adam's state is not
+        the one it was set on (cleared and begun again: all of it is the worker's own)."""
+        lo, hi = self.edges[i], self.edges[i + 1]
+        if not self._same(i, state):
+            return torch.zeros(hi - lo, device=self.offset.device)
+        return beta2 ** (step - self.offset_step[i]) * self.offset[lo:hi]
+
+    def _same(self, i: int, state: dict[str, Any]) -> bool:
+        seen = self._seen[i]
+        return seen is not None and seen() is state.get("exp_avg_sq")
+
+    def _remember(self) -> None:
+        for i, p in enumerate(self.params):
+            moment = self.adam.state.get(p, {}).get("exp_avg_sq")
+            self._seen[i] = None if moment is None else weakref.ref(moment)
+
+    def _each(self):
+        """(parameter, beta1, beta2) in the optimizer's order."""
+        for group in self.adam.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                yield p, float(beta1), float(beta2)
+
+
+def _step(state: dict[str, Any]) -> Tensor:
+    """Adam's step count of one parameter, a float tensor where Adam keeps it (module docstring:
+    never read on the host)."""
+    step = state["step"]
+    return step.float() if isinstance(step, Tensor) else torch.tensor(float(step))
