@@ -100,16 +100,19 @@ def test_resume_is_bit_for_bit(stop: int) -> None:
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_cleared_optimizer_starts_its_own_moment_again() -> None:
-    """A worker whose Adam state was cleared (a quarantine) skips the apply of the exchange it sent
-    before the clear, and its offset starts at 0: its moment is its own until the next exchange."""
+def test_a_quarantined_worker_sends_nothing_and_starts_its_own_moment_again(caplog) -> None:
+    """A worker turned NaN sends no moments (the others' stay finite), is quarantined (its Adam state
+    cleared), skips the apply of the exchange in flight and starts its offset at 0: its moment is
+    its own until the next exchange."""
     workers = Workers(_config(), WORKERS)
-    workers.train(0, TAU)  # round 1 ended: an exchange in flight
-    workers.optimizers[1].state.clear()
-    workers.train(TAU, 2 * TAU)  # the apply: worker 1's state is new
-    assert torch.equal(workers.engines[1]._moments.offset, torch.zeros_like(workers.engines[1]._moments.offset))
-    assert workers.engines[0]._moments.offset.abs().max() > 0  # the others applied it
-    workers.train(2 * TAU, 4 * TAU)
+    workers.train(0, 2 * TAU, poison=(1, TAU + 1))  # round 2's boundary finds worker 1 non-finite
+    assert "worker 1 has a non-finite outer gradient" in caplog.text
+    assert not workers.optimizers[1].state
+    moments = [e._moments for e in workers.engines]
+    assert torch.equal(moments[1].offset, torch.zeros_like(moments[1].offset))
+    assert torch.isfinite(moments[0].pending.tensor).all()  # launched at round 2's end without worker 1
+    workers.train(2 * TAU, 5 * TAU)
+    assert all(torch.isfinite(s["exp_avg_sq"]).all() for o in workers.optimizers for s in o.state.values())
     assert all(torch.isfinite(m["hidden.weight"]).all() for m in workers.finish())
 
 

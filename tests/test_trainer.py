@@ -586,3 +586,28 @@ def test_co2_scalars_land_in_tensorboard_event_files(tmp_path):
         accumulator.Reload()
         tags |= set(accumulator.Tags()["scalars"])
     assert "train/loss" in tags and "train/co2/comm_wait_s" in tags, sorted(tags)
+
+
+@pytest.mark.timeout(120)
+def test_the_second_moment_setting_parses_trains_and_resumes_bit_for_bit(tmp_path):
+    """``--co2_global_second_moment_every`` through HfArgumentParser, and a run saved with the
+    exchange in flight (tau 4, a checkpoint at step 8) resumed to the same weights and Adam state."""
+    from transformers import HfArgumentParser
+
+    from co2_hf import CO2TrainingArguments
+
+    (parsed,) = HfArgumentParser(CO2TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--co2_global_second_moment_every", "2"]
+    )
+    assert parsed.co2_global_second_moment_every == 2
+    knobs = dict(max_steps=12, save_strategy="steps", save_steps=8, co2_global_second_moment_every=1)
+    straight = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path / "a"), **knobs), train_dataset=dataset())
+    straight.train()
+    first = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path / "b"), **knobs), train_dataset=dataset())
+    first.train()
+    again = CO2Trainer(model=tiny_gpt2(), args=make_args(str(tmp_path / "b"), **knobs), train_dataset=dataset())
+    again.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-8"))
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], value), name
+    for a, b in zip(straight.optimizer.state_dict()["state"].values(), again.optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])

@@ -20,7 +20,6 @@ a copy of the own moment (n) while the exchange is in flight, and the offset (n)
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -75,9 +74,6 @@ class GlobalSecondMoment:
         self.received = False  # the pending sum has arrived (waited for at a checkpoint)
         self.own = torch.zeros(0, device=device)  # the own moment at the launch, while in flight
         self.launch_step = torch.zeros(0, device=self.step_device)
-        # each parameter's exp_avg_sq when the offset was last set: another tensor (or none) means
-        # Adam's state was cleared or replaced since, and all of the moment is the worker's own again
-        self._seen: list[Any] = [None] * count
 
     # ------------------------------------------------------------------ the verbs
 
@@ -94,6 +90,13 @@ class GlobalSecondMoment:
         """The end of training: the exchange in flight applied now."""
         if self.pending is not None:
             self._apply()
+
+    def restart(self) -> None:
+        """This worker's Adam state was cleared (a quarantine: ``watch.py``): all of its moment is its
+        own again, and the exchange in flight, still waited for, is not applied here."""
+        self.offset.zero_()
+        self.offset_step.zero_()
+        self.launch_step.zero_()
 
     def drain(self) -> None:
         """Wait for the exchange in flight (a checkpoint keeps the sum, applied on schedule)."""
@@ -118,7 +121,6 @@ class GlobalSecondMoment:
             )
         self.offset.copy_(saved["offset"])
         self.offset_step.copy_(saved["offset_step"])
-        self._remember()  # the optimizer's state, loaded before this one, is the state the offset is of
         flight = saved["in_flight"]
         self.pending, self.received = None, False
         if flight is not None:
@@ -143,16 +145,18 @@ class GlobalSecondMoment:
                 continue
             lo, hi = self.edges[i], self.edges[i + 1]
             step = _step(state)
-            offset = self._offset_now(i, state, step, beta2)
+            offset = self._offset_now(i, step, beta2)
             own = (state["exp_avg_sq"].reshape(-1).float() - offset).clamp_(min=0)
             self.offset[lo:hi] = offset
             self.offset_step[i] = step
             self.own[lo:hi] = own
             self.launch_step[i] = step
-            buffer[lo:hi] = state["exp_avg"].reshape(-1).float() / (1 - beta1**step)
-            buffer[n + lo : n + hi] = own / (1 - beta2**step)
-            buffer[2 * n + i].fill_(1.0)  # (a fill: no tensor made from host data)
-        self._remember()
+            m, u = state["exp_avg"].reshape(-1).float() / (1 - beta1**step), own / (1 - beta2**step)
+            # a non-finite worker (quarantined at this boundary) sends nothing for the parameter
+            finite = torch.isfinite(m).all() & torch.isfinite(u).all()
+            buffer[lo:hi] = torch.where(finite, m, 0.0)
+            buffer[n + lo : n + hi] = torch.where(finite, u, 0.0)
+            buffer[2 * n + i] = finite
         self.pending, self.received = self.comm.launch(buffer), False
 
     def _apply(self) -> None:
@@ -165,20 +169,18 @@ class GlobalSecondMoment:
             state = self.adam.state.get(p, {})
             lo, hi = self.edges[i], self.edges[i + 1]
             workers = total[2 * n + i]
-            if "exp_avg_sq" not in state or not self._same(i, state):  # cleared since the launch
-                self.offset[lo:hi].zero_()  # its own moment is all it has; the exchange is not applied here
-                if "step" in state:
-                    self.offset_step[i].copy_(_step(state))
+            if "exp_avg_sq" not in state:  # no state (not trained yet, or cleared): nothing to rescale
                 continue
             step, launched = _step(state), self.launch_step[i]
-            applies = (workers > 0) & (launched > 0)  # some worker sent it, and so did this one
+            # some worker sent it, and this one did, with the state it has now (not cleared since)
+            applies = (workers > 0) & (launched > 0)
             many = workers.clamp(min=1)
             m = total[lo:hi] / many
             u = total[n + lo : n + hi] / many
             noise = (u - m * m).clamp_(min=0)
             estimate = torch.minimum(m * m + noise / many, u) * (1 - beta2**launched)
             decay = beta2 ** (step - launched)
-            offset_now = self._offset_now(i, state, step, beta2)
+            offset_now = self._offset_now(i, step, beta2)
             exp_avg_sq = state["exp_avg_sq"]
             own_now = exp_avg_sq.reshape(-1).float() - offset_now
             new_offset = decay * (estimate - self.own[lo:hi])
@@ -186,25 +188,12 @@ class GlobalSecondMoment:
             exp_avg_sq.copy_(new.view_as(exp_avg_sq).to(exp_avg_sq.dtype))
             self.offset[lo:hi] = torch.where(applies, new_offset, offset_now)
             self.offset_step[i] = step
-        self._remember()
         self.pending, self.received = None, False
 
-    def _offset_now(self, i: int, state: dict[str, Any], step: Tensor, beta2: float) -> Tensor:
-        """The offset brought from its step to ``step`` (beta2 per step); 0 where Adam's state is not
-        the one it was set on (cleared and begun again: all of it is the worker's own)."""
+    def _offset_now(self, i: int, step: Tensor, beta2: float) -> Tensor:
+        """The offset brought from its step to ``step``: Adam's update only decays it, by beta2 per step."""
         lo, hi = self.edges[i], self.edges[i + 1]
-        if not self._same(i, state):
-            return torch.zeros(hi - lo, device=self.offset.device)
         return beta2 ** (step - self.offset_step[i]) * self.offset[lo:hi]
-
-    def _same(self, i: int, state: dict[str, Any]) -> bool:
-        seen = self._seen[i]
-        return seen is not None and seen() is state.get("exp_avg_sq")
-
-    def _remember(self) -> None:
-        for i, p in enumerate(self.params):
-            moment = self.adam.state.get(p, {}).get("exp_avg_sq")
-            self._seen[i] = None if moment is None else weakref.ref(moment)
 
     def _each(self):
         """(parameter, beta1, beta2) in the optimizer's order."""
