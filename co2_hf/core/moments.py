@@ -104,6 +104,10 @@ class GlobalSecondMoment:
             self.comm.wait(self.pending, self.timeout_s)
             self.received = True
 
+    def nbytes(self) -> int:
+        """Persistent bytes: the offset and its steps (an exchange in flight holds 3n + P more)."""
+        return self.offset.numel() * 4 + self.offset_step.numel() * 4
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:

@@ -52,10 +52,12 @@ class Reports:
         return not self.progress.warmup_done
 
     def outer_state_nbytes(self) -> int:
-        """Bytes of persistent outer state held by this process (anchor, momentum, buffers)."""
+        """Bytes of persistent outer state held by this process (anchor, momentum, buffers, and the
+        second moment's offset)."""
         tensors = (self._anchor, self._momentum)
         parts = sum(part.nbytes() for part in self.fragments)
-        return sum(t.numel() * t.element_size() for t in tensors) + parts + self._pool.nbytes()
+        moments = 0 if self._moments is None else self._moments.nbytes()  # co2_global_second_moment_every
+        return sum(t.numel() * t.element_size() for t in tensors) + parts + self._pool.nbytes() + moments
 
     def pop_metrics(self) -> dict[str, float]:
         """Each per-round metric over the rounds since the last call, plus the running counters.
