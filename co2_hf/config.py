@@ -174,7 +174,7 @@ class CO2Config:
         f"K in [1, {MAX_MOMENT_ROUNDS}]: every K rounds the workers all-reduce their Adam(W) moments and "
         "each replaces its second moment by the estimate for the gradient averaged over the workers, "
         "which data parallel's Adam divides by (docs/algorithm.md, 'The inner second "
-        "moment'); 2 model sizes of fp32 per exchange, overlapped with the next "
+        "moment'); 2 model sizes in the wire's fp32 or bf16 per exchange, overlapped with the next "
         "round. Adam/AdamW only. 0: off, each worker's Adam keeps its own.",
     )
     co2_worker_size: int = _knob(

@@ -193,6 +193,7 @@ CONFIGS.update({f"co2_sync{n}": dict(co2_sync_warmup_steps=n) for n in (30, 60, 
 # the engine's setting that the "_gv" probe screened: co2_global_second_moment_every = K rounds
 # ({config}_gm{K}; the exchange travels through the simulated network, one round late, as on a wire)
 CONFIGS.update({f"co2_gm{k}": dict(co2_global_second_moment_every=k) for k in (1, 2, 4, 8)})
+CONFIGS.update({f"co2_bf16_gm{k}": dict(co2_comm_dtype="bfloat16", co2_global_second_moment_every=k) for k in (1, 4)})
 CONFIGS.update({f"local_sgd_gm{k}": {**CONFIGS["local_sgd"], "co2_global_second_moment_every": k} for k in (1, 4)})
 
 # ... and the local methods at the same raised learning rates, so that a gain of data parallel from

@@ -28,7 +28,7 @@ def _named(model: torch.nn.Module) -> dict[torch.Tensor, str]:
     return {p: name for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _train_with_reference(workers: Workers, steps: int, every: int) -> int:
+def _train_with_reference(workers: Workers, steps: int, every: int, rtol: float = 1e-4) -> int:
     """Train ``steps`` steps; at every apply, compare each worker's Adam second moment with the
     reference's. Returns how many applies were compared."""
     beta1, beta2 = workers.optimizers[0].param_groups[0]["betas"]
@@ -51,7 +51,7 @@ def _train_with_reference(workers: Workers, steps: int, every: int) -> int:
             for i, expected in enumerate(reference.expected()):
                 state = workers.optimizers[i].state
                 for p, name in names[i].items():
-                    torch.testing.assert_close(state[p]["exp_avg_sq"].double(), expected[name], rtol=1e-4, atol=1e-9)
+                    torch.testing.assert_close(state[p]["exp_avg_sq"].double(), expected[name], rtol=rtol, atol=1e-9)
             compared += 1
         if rounds % every == 0:
             optimizers = enumerate(workers.optimizers)
@@ -67,6 +67,16 @@ def test_engine_matches_the_reference(every: int, fragments: int) -> None:
     assert _train_with_reference(workers, 8 * TAU, every) == (7 if every == 1 else 3)
 
 
+def test_a_bfloat16_wire_sends_the_moments_in_bfloat16() -> None:
+    """With co2_comm_dtype='bfloat16' the exchange travels as bf16 (half the bytes): the reference
+    holds to bf16's precision (8 bits: 2^-8 relative, summed over three workers)."""
+    workers = Workers(_config(co2_comm_dtype="bfloat16"), WORKERS)
+    workers.train(0, TAU)
+    assert workers.engines[0]._moments.pending.tensor.dtype == torch.bfloat16
+    workers = Workers(_config(co2_comm_dtype="bfloat16"), WORKERS)
+    assert _train_with_reference(workers, 4 * TAU, 1, rtol=2e-2) == 3
+
+
 def test_the_estimate_is_below_the_own_moment_and_changes_training() -> None:
     """Averaging W workers divides the noise: the estimate is at most the workers' mean own moment, and
     smaller somewhere (their gradients differ), so the run differs from the one without it."""
@@ -80,11 +90,12 @@ def test_the_estimate_is_below_the_own_moment_and_changes_training() -> None:
     assert not torch.equal(on.finish()[0]["hidden.weight"], off.finish()[0]["hidden.weight"])
 
 
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
 @pytest.mark.parametrize("stop", [TAU, 2 * TAU + 1], ids=["in_flight", "mid_round"])
-def test_resume_is_bit_for_bit(stop: int) -> None:
+def test_resume_is_bit_for_bit(stop: int, wire: str) -> None:
     """Saved with the exchange in flight (at a round's end) or a step into the next round, rebuilt,
     and trained on: the same bits as the run that never stopped, Adam's state included."""
-    config = _config(co2_fragments=TAU)
+    config = _config(co2_fragments=TAU, co2_comm_dtype=wire)
     straight = Workers(config, WORKERS)
     straight.train(0, 5 * TAU)
     first = Workers(config, WORKERS)
@@ -163,7 +174,8 @@ def test_wrapped_optimizers_are_unwrapped() -> None:
 
     model = TinyNet(seed=0)
     adam = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    moments = GlobalSecondMoment(Wrapper(Wrapper(adam)), SimulatedNetwork(1).communicator(0), every=1, timeout_s=60)
+    comm = SimulatedNetwork(1).communicator(0)
+    moments = GlobalSecondMoment(Wrapper(Wrapper(adam)), comm, every=1, timeout_s=60, wire_dtype=torch.float32)
     assert moments.adam is adam
 
 

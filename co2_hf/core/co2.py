@@ -392,7 +392,10 @@ def _second_moment(cfg: CO2Config, optimizer: Any, comm: Communicator) -> Global
         return None
     if optimizer is None:
         raise ValueError("co2_global_second_moment_every > 0 needs CO2(..., optimizer=) (the inner Adam or AdamW)")
-    return GlobalSecondMoment(optimizer, comm, every=cfg.co2_global_second_moment_every, timeout_s=cfg.co2_timeout_s)
+    wire_dtype = torch.bfloat16 if cfg.bfloat16_wire else torch.float32  # the moments travel as the outer gradient
+    return GlobalSecondMoment(
+        optimizer, comm, every=cfg.co2_global_second_moment_every, timeout_s=cfg.co2_timeout_s, wire_dtype=wire_dtype
+    )
 
 
 def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:

@@ -13,8 +13,9 @@ steps between, beside what Adam added meanwhile from the worker's own gradients.
 ``offset``, Adam's second moment minus its own (that decays by beta2 per step), so that an estimate
 is never taken for a worker's own moment and divided by W a second time.
 
-Pure tensor work on the parameters' device: no host read. One flat buffer of ``2n + P`` floats (n
-optimizer elements, P parameters: a worker without state for a parameter says so in its slot),
+Pure tensor work on the parameters' device: no host read. One flat buffer of ``2n + P`` values in the
+outer wire's dtype (fp32, or bf16 with ``co2_comm_dtype='bfloat16'``; n optimizer elements, P
+parameters: a worker without state for a parameter says so in its slot),
 a copy of the own moment (n) while the exchange is in flight, and the offset (n).
 """
 
@@ -56,8 +57,12 @@ class GlobalSecondMoment:
     """Every ``every`` rounds, this worker's Adam second moment becomes the averaged gradient's
     estimate (module docstring); ``round_ended`` after each round, ``finish`` at the end."""
 
-    def __init__(self, optimizer: Any, comm: Communicator, *, every: int, timeout_s: float) -> None:
+    def __init__(
+        self, optimizer: Any, comm: Communicator, *, every: int, timeout_s: float, wire_dtype: torch.dtype
+    ) -> None:
+        """``wire_dtype``: what the exchange travels as, the outer wire's (float32 or bfloat16)."""
         self.adam, self.comm, self.every, self.timeout_s = adam_of(optimizer), comm, every, timeout_s
+        self.wire_dtype = wire_dtype
         self.params = _params(self.adam)
         self.edges = [0]
         for p in self.params:
@@ -161,14 +166,14 @@ class GlobalSecondMoment:
             buffer[lo:hi] = torch.where(finite, m, 0.0)
             buffer[n + lo : n + hi] = torch.where(finite, u, 0.0)
             buffer[2 * n + i] = finite
-        self.pending, self.received = self.comm.launch(buffer), False
+        self.pending, self.received = self.comm.launch(buffer.to(self.wire_dtype)), False
 
     def _apply(self) -> None:
         """Adam's second moment <- the own one now + beta2^(steps since the launch) * (E - own at the
         launch), E the averaged gradient's estimate at the launch (module docstring)."""
         if not self.received:
             self.comm.wait(self.pending, self.timeout_s)
-        total, n = self.pending.tensor, self.edges[-1]
+        total, n = self.pending.tensor.float(), self.edges[-1]
         for i, (p, _, beta2) in enumerate(self._each()):
             state = self.adam.state.get(p, {})
             lo, hi = self.edges[i], self.edges[i + 1]
