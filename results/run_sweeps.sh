@@ -91,3 +91,18 @@ $S --workers 16 --steps 2400 --eval_every 200 --seeds 0 --configs dp co2 --out r
 # ... and the probe at 16 workers (seed 0) and at 8 (seed 1)
 $S --workers 16 --steps 600 --seeds 0 --configs co2_avg_gv --out results/workers_micro_600.jsonl
 $S --workers 8 --steps 600 --seeds 1 --configs co2_avg_gv --out results/workers_micro_600_seed1.jsonl
+# The engine setting built on the probe, co2_global_second_moment_every = K ("_gm{K}", stop 62): seed 0 at
+# 8 and 16 workers, seeds 1 and 2, then 4 and 2 workers (3 seeds, with dp and the defaults at seeds 1
+# and 2 there), and 2400 steps at 4 workers
+$S --workers 8 --steps 600 --seeds 0 --configs co2_gm1 co2_gm4 --out results/workers_micro_600.jsonl
+$S --workers 16 --steps 600 --seeds 0 --configs co2_gm1 co2_gm4 --out results/workers_micro_600.jsonl
+$S --workers 8 --steps 600 --seeds 1 --configs co2_gm1 co2_gm4 --out results/workers_micro_600_seed1.jsonl
+$S --workers 8 --steps 600 --seeds 2 --configs co2_gm1 co2_gm4 co2_avg_gv --out results/workers_micro_600_seed2.jsonl
+$S --workers 16 --steps 600 --seeds 1 --configs co2_gm1 --out results/workers_micro_600_seed1.jsonl
+$S --workers 16 --steps 600 --seeds 2 --configs co2_gm1 --out results/workers_micro_600_seed2.jsonl
+$S --workers 4 2 --steps 600 --seeds 0 --configs co2_gm1 local_sgd_gm1 --out results/workers_micro_600.jsonl
+$S --workers 4 2 --steps 600 --seeds 1 --configs dp co2 co2_gm1 --out results/workers_micro_600_seed1.jsonl
+$S --workers 4 2 --steps 600 --seeds 2 --configs dp co2 co2_gm1 --out results/workers_micro_600_seed2.jsonl
+$S --workers 4 --steps 2400 --eval_every 200 --seeds 0 --configs co2_gm1 co2_gm4 --out results/workers_micro_2400.jsonl
+# ... and K = 4 at raised AdamW learning rates (8 workers, seed 0)
+$S --jobs 1 --workers 8 --steps 600 --seeds 0 --configs co2_gm4_lr2e-3 co2_gm4_lr4e-3 --out results/workers_micro_600.jsonl

@@ -198,7 +198,7 @@ CONFIGS.update({f"local_sgd_gm{k}": {**CONFIGS["local_sgd"], "co2_global_second_
 
 # ... and the local methods at the same raised learning rates, so that a gain of data parallel from
 # its lr is not mistaken for a gain from its batch: {config}_lr{lr}
-for _base in ("co2", "local_sgd", "co2_default", "co2_sync60"):
+for _base in ("co2", "local_sgd", "co2_default", "co2_sync60", "co2_gm1", "co2_gm4"):
     for _lr in ("2e-3", "3e-3", "4e-3"):
         CONFIGS[f"{_base}_lr{_lr}"] = CONFIGS[_base]
         LEARNING_RATES[f"{_base}_lr{_lr}"] = float(_lr)
