@@ -67,6 +67,15 @@ def test_engine_matches_the_reference(every: int, fragments: int) -> None:
     assert _train_with_reference(workers, 8 * TAU, every) == (7 if every == 1 else 3)
 
 
+def test_its_wait_is_reported_at_logging_steps() -> None:
+    """co2/second_moment_wait_s: how long the applies since the last log waited for the exchange."""
+    workers = Workers(_config(), WORKERS)
+    workers.train(0, 3 * TAU)  # two applies
+    first = workers.engines[0].pop_metrics()
+    assert first["co2/second_moment_wait_s"] >= 0
+    assert "co2/second_moment_wait_s" not in workers.engines[0].pop_metrics()  # none since
+
+
 def test_a_bfloat16_wire_sends_the_moments_in_bfloat16() -> None:
     """With co2_comm_dtype='bfloat16' the exchange travels as bf16 (half the bytes): the reference
     holds to bf16's precision (8 bits: 2^-8 relative, summed over three workers)."""

@@ -21,6 +21,7 @@ a copy of the own moment (n) while the exchange is in flight, and the offset (n)
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .comm import Communicator, Pending
+from .tally import Seconds
 
 
 def adam_of(optimizer: Any) -> torch.optim.Optimizer:
@@ -78,6 +80,7 @@ class GlobalSecondMoment:
         self.pending: Pending | None = None
         self.received = False  # the pending sum has arrived (waited for at a checkpoint)
         self.own = torch.zeros(0, device=device)  # the own moment at the launch, while in flight
+        self._waits: list[Seconds] = []  # how long each apply's wait held compute up, since the last pop
         self.launch_step = torch.zeros(0, device=self.step_device)
 
     # ------------------------------------------------------------------ the verbs
@@ -108,6 +111,12 @@ class GlobalSecondMoment:
         if self.pending is not None and not self.received:
             self.comm.wait(self.pending, self.timeout_s)
             self.received = True
+
+    def pop_wait_s(self) -> float | None:
+        """Seconds the applies since the last call waited for their exchange (None: no apply waited);
+        on CUDA tensors this waits for the device's events (logging steps only)."""
+        waits, self._waits = self._waits, []
+        return sum(w.get() for w in waits) if waits else None
 
     def nbytes(self) -> int:
         """Persistent bytes: the offset and its steps (an exchange in flight holds 3n + P more)."""
@@ -172,7 +181,9 @@ class GlobalSecondMoment:
         """Adam's second moment <- the own one now + beta2^(steps since the launch) * (E - own at the
         launch), E the averaged gradient's estimate at the launch (module docstring)."""
         if not self.received:
+            since = time.perf_counter()
             self.comm.wait(self.pending, self.timeout_s)
+            self._waits.append(self.pending.wait_time(since))
         total, n = self.pending.tensor.float(), self.edges[-1]
         for i, (p, _, beta2) in enumerate(self._each()):
             state = self.adam.state.get(p, {})

@@ -84,6 +84,9 @@ class Reports:
                 out["co2/penalty_mean"] = sum(m.get("penalty_sum", 0.0) for m in present) / elements
         if "co2/comm_s" in out and "co2/comm_wait_s" in out and out["co2/comm_s"] > 0:
             out["co2/hidden_frac"] = min(max(1 - out["co2/comm_wait_s"] / out["co2/comm_s"], 0.0), 1.0)
+        moment_wait = None if self._moments is None else self._moments.pop_wait_s()
+        if moment_wait is not None:  # co2_global_second_moment_every: its exchange's exposed wait
+            out["co2/second_moment_wait_s"] = moment_wait
         out["co2/amp_skipped_steps"] = float(self.progress.amp_skipped_steps)
         out["co2/skipped_rounds"] = float(skipped_rounds)
         return out
