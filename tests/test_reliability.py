@@ -57,6 +57,8 @@ BAD_FLAGS = [
     ("co2_sparse_keep_unsent", "maybe", "expected one of yes/no"),
     ("co2_sparse_feedback_decay", "0", "a number in (0, 1]"),
     ("co2_sync_warmup_steps", "-1", "integer >= 0"),
+    ("co2_global_second_moment_every", "20000", "integer >= 0 and <= 10000 (0: off)"),
+    ("co2_global_second_moment_every", "1.5", "invalid int value"),
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),
     ("co2_max_skipped_rounds", "-2", "integer >= 0"),
@@ -119,6 +121,11 @@ def test_the_parser_table_covers_every_knob():
 # argv beyond --output_dir, environment, words of the refusal
 BAD_COMBINATIONS = [
     (["--deepspeed", "ds.json"], {}, "CO2 does not support DeepSpeed"),
+    (
+        ["--co2_global_second_moment_every", "2", "--co2_comm_dtype", "int8"],
+        {},
+        "co2_global_second_moment_every=2 with co2_comm_dtype='int8': allowed is co2_comm_dtype='float32' or",
+    ),
     ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "CO2 does not support DeepSpeed"),
     (["--fsdp", "full_shard"], {}, "FSDP with co2_worker_size=1 would shard the model across CO2 workers"),
     ([], {"ACCELERATE_USE_FSDP": "true"}, "FSDP with co2_worker_size=1 would shard the model across CO2 workers"),
