@@ -22,7 +22,9 @@ average is applied, so streaming fragments share one. Reading and writing the li
 
 Beside the engine, in their own modules: what it reports (its clock, waits, bytes and metrics:
 `Reports`, ``reports.py``) and evaluation on the anchor (`AnchorViews`, ``anchor.py``), both mixed
-into `CO2`; what it does about the device's tally and the rounds' timing (`Watch`, ``watch.py``).
+into `CO2`; what it does about the device's tally and the rounds' timing (`Watch`, ``watch.py``);
+with ``co2_global_second_moment_every``, the inner Adam's second moment at round ends
+(`GlobalSecondMoment`, ``moments.py``).
 """
 
 from __future__ import annotations
