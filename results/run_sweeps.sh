@@ -106,5 +106,5 @@ $S --workers 4 2 --steps 600 --seeds 2 --configs dp co2 co2_gm1 --out results/wo
 $S --workers 4 --steps 2400 --eval_every 200 --seeds 0 --configs co2_gm1 co2_gm4 --out results/workers_micro_2400.jsonl
 # ... and K = 4 at raised AdamW learning rates (8 workers, seed 0)
 $S --jobs 1 --workers 8 --steps 600 --seeds 0 --configs co2_gm4_lr2e-3 co2_gm4_lr4e-3 --out results/workers_micro_600.jsonl
-# ... and 32 workers (seed 0)
-$S --jobs 1 --workers 32 --steps 600 --seeds 0 --configs dp co2_gm4 co2 --out results/workers_micro_600.jsonl
+# ... and 32 workers (seed 0): data parallel only finished in the stop's time (co2_gm4 and co2 were cut)
+$S --jobs 1 --workers 32 --steps 600 --seeds 0 --configs dp --out results/workers_micro_600.jsonl

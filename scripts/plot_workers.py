@@ -80,7 +80,8 @@ def plot(runs: dict[tuple, list[float]], path: Path) -> None:
             if len(points) < 2:  # a config run at one count only (a screen) is in the table, not drawn
                 continue
             points.sort()
-            ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", label=config)
+            # ten colours, then the same ten dashed: more lines than colours stay apart
+            ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=config)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers")
