@@ -241,9 +241,8 @@ class CO2(Reports, AnchorViews):
         (on the CPU at once; on a GPU a step or so later, never waited for): `Watch.act_on`."""
         rows = self._tally.mirror.poll()
         if rows is not None:
-            trained = self._moments is not None and bool(self._moments.adam.state)
-            self._watch.act_on(rows, inner_steps=self.progress.inner_steps, optimizer=self.optimizer)
-            if trained and not self._moments.adam.state:  # a quarantine cleared it (moments.py)
+            quarantined = self._watch.act_on(rows, inner_steps=self.progress.inner_steps, optimizer=self.optimizer)
+            if quarantined and self._moments is not None:  # it cleared the inner optimizer (moments.py)
                 self._moments.restart()
 
     def _start_quorum(self) -> bool:

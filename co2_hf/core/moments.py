@@ -187,10 +187,9 @@ class GlobalSecondMoment:
         total, n = self.pending.tensor.float(), self.edges[-1]
         for i, (p, _, beta2) in enumerate(self._each()):
             state = self.adam.state.get(p, {})
-            lo, hi = self.edges[i], self.edges[i + 1]
-            workers = total[2 * n + i]
             if "exp_avg_sq" not in state:  # no state (not trained yet, or cleared): nothing to rescale
                 continue
+            lo, hi, workers = self.edges[i], self.edges[i + 1], total[2 * n + i]
             step, launched = _step(state), self.launch_step[i]
             # some worker sent it, and this one did, with the state it has now (not cleared since)
             applies = (workers > 0) & (launched > 0)
@@ -209,6 +208,7 @@ class GlobalSecondMoment:
             self.offset[lo:hi] = torch.where(applies, new_offset, offset_now)
             self.offset_step[i] = step
         self.pending, self.received = None, False
+        self.own = self.own.new_zeros(0)  # held only while an exchange is in flight (the module docstring's memory)
 
     def _offset_now(self, i: int, step: Tensor, beta2: float) -> Tensor:
         """The offset brought from its step to ``step``: Adam's update only decays it, by beta2 per step."""

@@ -30,11 +30,13 @@ class Watch:
         self.timeout_checked = False
         self.round_started: float | None = None
 
-    def act_on(self, rows: list, *, inner_steps: int, optimizer: Any) -> None:
+    def act_on(self, rows: list, *, inner_steps: int, optimizer: Any) -> bool:
         """The tallied ``rows`` (one per fragment): stop on ranks out of step or
         ``co2_max_skipped_rounds`` skips in a row; for a non-finite worker, warn, clear the inner
-        ``optimizer`` and restart every fragment's round (the NaN reaches every parameter)."""
+        ``optimizer`` and restart every fragment's round (the NaN reaches every parameter). Returns
+        whether it quarantined this worker (and so cleared the optimizer)."""
         limit = self.config.co2_max_skipped_rounds
+        quarantined = False
         for f, (part, row) in enumerate(zip(self.fragments, rows)):
             if row[OUT_OF_STEP] > 0:  # training stops at the first
                 raise RuntimeError(
@@ -49,6 +51,8 @@ class Watch:
             if row[NONFINITE] > self.nonfinite_seen[f]:
                 self.nonfinite_seen[f] = row[NONFINITE]
                 self._quarantine(part, int(row[NONFINITE_ROUND]), inner_steps=inner_steps, optimizer=optimizer)
+                quarantined = True
+        return quarantined
 
     def _quarantine(self, found: Any, round_index: int, *, inner_steps: int, optimizer: Any) -> None:
         """This worker's outer gradient was not finite at ``found``'s boundary of ``round_index``: it
