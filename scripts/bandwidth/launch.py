@@ -43,7 +43,7 @@ def rank_command(
     return cmd, env
 
 
-def _await(paths: list[Path], procs: list[subprocess.Popen], deadline: float, what: str) -> list[dict]:
+def await_files(paths: list[Path], procs: list[subprocess.Popen], deadline: float, what: str) -> list[dict]:
     while not all(p.exists() for p in paths):
         failed = [p.returncode for p in procs if p.poll() is not None]
         if failed:
@@ -54,7 +54,7 @@ def _await(paths: list[Path], procs: list[subprocess.Popen], deadline: float, wh
     return [json.loads(p.read_text()) for p in paths]
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def kill_ranks(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)  # each rank leads its own session: only our processes
@@ -81,11 +81,11 @@ def run_block(
                 )
         ranks = range(block.ranks)
         deadline = time.monotonic() + 3 * startup_estimate_s(block) + 120
-        probe = _await([workdir / f"probe.rank{r}.json" for r in ranks], procs, deadline, "probe")
+        probe = await_files([workdir / f"probe.rank{r}.json" for r in ranks], procs, deadline, "probe")
         for i, run in enumerate(block.runs):
             deadline = time.monotonic() + 2 * estimate_run_s(run, block) + 120  # every run is bounded
             started = time.monotonic()
-            results[i] = _await([workdir / f"run{i}.rank{r}.json" for r in ranks], procs, deadline, run.method)
+            results[i] = await_files([workdir / f"run{i}.rank{r}.json" for r in ranks], procs, deadline, run.method)
             print(
                 f"# {block.rate} x{block.ranks} {block.model}: {run.method} tau {run.tau} {run.wire} took "
                 f"{time.monotonic() - started:.0f} s",
@@ -98,7 +98,7 @@ def run_block(
         print(f"# block {block.rate} x{block.ranks} {block.model} failed: {error}\n# rank 0 log:\n{tail}", flush=True)
         results = [r if r is not None else f"{error} (see the rank logs)" for r in results]
     finally:
-        _kill(procs)
+        kill_ranks(procs)
     return probe, results
 
 

@@ -79,6 +79,12 @@ class Loop:
     def record(self) -> None:
         """After the step's time was taken: read what the method measured of it."""
 
+    def global_state(self, model) -> dict | None:
+        """The global model (what every rank agrees on) as ``model``'s state_dict, read-only, if the
+        method holds one after this step; None between a round's averages (``time_to_loss.py``
+        snapshots it). Data parallel: the model itself at every step."""
+        return model.state_dict()
+
     def close(self) -> None:
         pass
 
@@ -110,6 +116,19 @@ class TorchFTLoop(Loop):
             self.manager, parts, optimizer, outers, sync_every=tau, pin_memory=False, fragment_sync_delay=delay
         )
         self._diloco.__enter__()
+
+    def global_state(self, model) -> dict:
+        """Each fragment's global copy (torchft keeps it as ``original_parameters``, on the host, and
+        offers no public reader: its private fragment list is read here)."""
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        state = dict(model.state_dict())
+        for fragment in self._diloco._fragments:
+            for name, p in fragment._model_fragment.named_parameters():
+                for full in names[id(p)]:
+                    state[full] = fragment.original_parameters[name]
+        return state
 
     def close(self) -> None:
         self._diloco.__exit__(None, None, None)
@@ -196,6 +215,10 @@ class AccelerateLoop(Loop):
         self.optimizer.step()
         self._local_sgd.step()
 
+    def global_state(self, model) -> dict | None:
+        """After the step that averaged (LocalSGD averages every ``local_sgd_steps`` of its steps)."""
+        return model.state_dict() if self._local_sgd.num_steps % self._local_sgd.local_sgd_steps == 0 else None
+
     def close(self) -> None:
         self._local_sgd.__exit__(None, None, None)  # one more average, untimed
 
@@ -224,3 +247,11 @@ class PostLocalSGDLoop(Loop):
         ddp.register_comm_hook(state, post_localSGD_hook)
         averager = averagers.PeriodicModelAverager(period=tau, warmup_steps=self.WARMUP_STEPS)
         super().__init__(ddp, PostLocalSGDOptimizer(optim=optimizer, averager=averager))
+
+    def global_state(self, model) -> dict | None:
+        """After the step whose averager averaged (it averages at its counter's value c when c >=
+        warmup_steps and (c - warmup_steps) % period == 0, then counts one more)."""
+        averager = self.optimizer.averager
+        c = averager.step - 1
+        averaged = c >= averager.warmup_steps and (c - averager.warmup_steps) % averager.period == 0
+        return model.state_dict() if averaged else None

@@ -89,6 +89,10 @@ class CO2Loop(Loop):
             self.engine.append(self._in_step)
             self._in_step = 0.0
 
+    def global_state(self, model) -> dict:
+        """The anchor (CO2's global model), valid until the next boundary."""
+        return self.co2.anchor_state()
+
     def close(self) -> None:
         self.co2.finalize()
 
