@@ -108,3 +108,7 @@ $S --workers 4 --steps 2400 --eval_every 200 --seeds 0 --configs co2_gm1 co2_gm4
 $S --jobs 1 --workers 8 --steps 600 --seeds 0 --configs co2_gm4_lr2e-3 co2_gm4_lr4e-3 --out results/workers_micro_600.jsonl
 # ... and 32 workers (seed 0): data parallel only finished in the stop's time (co2_gm4 and co2 were cut)
 $S --jobs 1 --workers 32 --steps 600 --seeds 0 --configs dp --out results/workers_micro_600.jsonl
+# K = 4 at 2 and 4 workers, 3 seeds: does the second-moment setting lose where the gap is small?
+$S --workers 2 4 --steps 600 --seeds 0 --configs co2_gm4 --out results/workers_micro_600.jsonl
+$S --workers 2 4 --steps 600 --seeds 1 --configs co2_gm4 --out results/workers_micro_600_seed1.jsonl
+$S --workers 2 4 --steps 600 --seeds 2 --configs co2_gm4 --out results/workers_micro_600_seed2.jsonl
