@@ -71,7 +71,8 @@ def outer_step_(
     then ``rescale(m)`` (the engine's clipping, which needs a reduction), then ``v = m``, or with
     Nesterov ``pd <- beta*m + P*D`` and ``v = pd``. Returns ``v`` (a view of ``m`` or ``pd``).
 
-    The engine's boundaries and elastic re-sharding (``reshard.py``) both step through here."""
+    Elastic re-sharding (``reshard.py``) steps through here; the engine's boundaries write the same
+    step in ``fragment.py`` from the same helpers (`momentum_`, `nesterov_direction_`), over the wire buffer."""
     momentum_(m, pd, beta)
     if rescale is not None:
         rescale(m)

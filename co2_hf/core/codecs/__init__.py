@@ -7,7 +7,7 @@ what its codes left out as error-feedback residuals, sent in later rounds:
 - ``sparse.py``: block-local top-k of 2- or 4-bit values (`SparseWire`, ``co2_comm_dtype='sparse'``);
 - ``collectives.py``: the two blocking collectives both run on, and their random draws' seeding.
 
-`make_codec` builds the one a config asks for, or None: a float32, bfloat16 or float16 wire sends the
+`make_codec` builds the one a config asks for, or None: a float32 or bfloat16 wire sends the
 buffer as it is, and a single worker sends nothing. A `Fragment` (``fragment.py``) holds it and knows
 it only through `Codec`; a re-shard onto another number of workers (``reshard.py``) only through
 `carried_residual` and `resharded_residuals`. A checkpoint holds a codec's `state` as it is (keys
