@@ -27,7 +27,8 @@ Methods (``METHODS``): ``ddp``; ``accelerate_local_sgd``, ``torch_post_local_sgd
 and ``torchft_streaming`` (4 fragments, each launched tau/4 - 1 steps before it is waited for), all at
 tau 12 (DiLoCo's outer SGD: lr 0.7, Nesterov 0.9); CO2's defaults (``co2``, tau 12), the defaults at
 tau 4 (``co2_tau4``: at 100 Mbit/s a quarter of the model per step still hides behind a step) and
-with the global second moment every 4 rounds (``co2_gm4``). ``--repeats`` passes interleave the methods
+with the global second moment every 4 rounds (``co2_gm4``), and with the int8 wire (``co2_int8``,
+for links where fp32 does not hide). ``--repeats`` passes interleave the methods
 (A B C A B C), one launch of the ranks per pass.
 
 One JSON line per run: ``method``, ``tau``, ``settings``, ``repeat``, ``rate``, ``budget_s``,
@@ -65,6 +66,7 @@ METHODS: dict[str, tuple[int, dict | None]] = {
     "co2": (12, {}),
     "co2_tau4": (4, {}),
     "co2_gm4": (12, {"co2_global_second_moment_every": 4}),
+    "co2_int8": (12, {"co2_comm_dtype": "int8"}),  # a quarter of the bytes: hidden where fp32 is not
 }
 PEERS = [m for m, (_, settings) in METHODS.items() if settings is None]
 
