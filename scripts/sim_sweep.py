@@ -225,16 +225,12 @@ def corpus_blocks() -> tuple[torch.Tensor, torch.Tensor]:
     return data
 
 
-def make_task(model: str, steps: int, seed: int, lr: float = 1e-3):
-    from transformers import GPT2Config, GPT2LMHeadModel, get_cosine_schedule_with_warmup
-    from transformers.utils import logging
+def gpt2_config(model: str):
+    """The GPT-2 shape ``model`` ("micro", "tiny") over the corpus's 4096-token BPE, without dropout."""
+    from transformers import GPT2Config
 
-    from scripts.sim import Task
-
-    logging.set_verbosity_error()
-    train, val = corpus_blocks()
     n_embd, n_layer, n_head = MODELS[model]
-    config = GPT2Config(
+    return GPT2Config(
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
@@ -247,13 +243,29 @@ def make_task(model: str, steps: int, seed: int, lr: float = 1e-3):
         eos_token_id=0,
     )
 
+
+def draw_batch(train: torch.Tensor, seed: int, worker: int, step: int) -> torch.Tensor:
+    """Worker ``worker``'s micro-batch at ``step``: the same blocks for every method that draws it."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + worker * 100_003 + step)
+    return train[torch.randint(0, len(train), (MICRO_BATCH,), generator=g)]
+
+
+def make_task(model: str, steps: int, seed: int, lr: float = 1e-3):
+    from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
+    from transformers.utils import logging
+
+    from scripts.sim import Task
+
+    logging.set_verbosity_error()
+    train, val = corpus_blocks()
+    config = gpt2_config(model)
+
     def build_model(worker_seed):
         torch.manual_seed(seed * 7919 + worker_seed)
         return GPT2LMHeadModel(config)
 
     def batch(worker, step):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + worker * 100_003 + step)
-        return train[torch.randint(0, len(train), (MICRO_BATCH,), generator=g)]
+        return draw_batch(train, seed, worker, step)
 
     def loss(model, tokens):
         return model(input_ids=tokens, labels=tokens).loss

@@ -41,6 +41,7 @@ blocking all-reduce of the model's fp32 size, timed at the pass's start: it chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -76,19 +77,14 @@ PEERS = [m for m, (_, settings) in METHODS.items() if settings is None]
 
 def build_model():
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
-    from scripts.sim_sweep import BLOCK, MODELS
+    from scripts.sim_sweep import gpt2_config
 
     logging.set_verbosity_error()
-    n_embd, n_layer, n_head = MODELS["tiny"]
     torch.manual_seed(SEED)  # the same initial weights on every rank and for every method
-    config = GPT2Config(
-        n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=BLOCK, vocab_size=4096,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(gpt2_config("tiny"))
 
 
 def make_race_loop(method: str, model, optimizer, rank: int):
@@ -109,7 +105,7 @@ def race(method: str, spec: dict, rank: int, control, train_blocks) -> dict:
     import torch.distributed as dist
 
     from scripts.bandwidth.peers import PostLocalSGDLoop
-    from scripts.sim_sweep import MICRO_BATCH
+    from scripts.sim_sweep import draw_batch
 
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -120,8 +116,7 @@ def race(method: str, spec: dict, rank: int, control, train_blocks) -> dict:
     # torch's averager averages one step after its warm-up ends, and every period from there
     offset = PostLocalSGDLoop.WARMUP_STEPS + 1 if method == "torch_post_local_sgd" else 0
     while not stop:
-        g = torch.Generator().manual_seed(SEED * 1_000_003 + rank * 100_003 + step)
-        tokens = train_blocks[torch.randint(0, len(train_blocks), (MICRO_BATCH,), generator=g)]
+        tokens = draw_batch(train_blocks, SEED, rank, step)
         start = time.perf_counter()
         loop.optimizer.zero_grad()
         loop.backward(loop.module(input_ids=tokens, labels=tokens).loss)
@@ -185,26 +180,24 @@ def rank_main(spec_path: str) -> None:
 # ---------------------------------------------------------------- the launcher
 
 
-def run_pass(methods: list[str], args, repeat: int, net) -> list[dict]:
+def run_pass(methods: list[str], args, repeat: int) -> list[dict]:
     """One launch of the two ranks that races every method in turn; its JSON lines."""
-    from scripts.bandwidth.launch import BlockFailed, await_files, kill_ranks
-    from scripts.bandwidth.netns import node_ns
-    from scripts.bandwidth.plan import Block, rank_env
+    from scripts.bandwidth.launch import BlockFailed, await_files, free_port, kill_ranks, rank_command
+    from scripts.bandwidth.plan import Block
 
     block = Block(ranks=2, ranks_per_node=1, rate=args.rate, model="tiny", runs=[])
     lines = []
     with tempfile.TemporaryDirectory(prefix="co2b-race-") as tmp:
         spec = {"methods": methods, "budget_s": args.budget_s, "snapshots": args.snapshots, "out_dir": tmp}
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        procs = []
-        port = str(29400 + repeat) if net is not None else str(_free_port())
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        procs, port = [], str(free_port() if args.loopback else 29400 + repeat)
         for rank in range(2):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(Path(tmp) / "spec.json")]
-            if net is not None:
-                cmd = ["ip", "netns", "exec", node_ns(rank), *cmd]
-            env = {**os.environ, **rank_env(block, rank, "cpu", loopback=net is None, gpus=[]), "MASTER_PORT": port}
-            log = open(Path(tmp) / f"rank{rank}.log", "w")  # noqa: SIM115 (the child keeps its descriptor)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            cmd, env = rank_command(block, rank, spec_path, loopback=args.loopback, script=Path(__file__).resolve())
+            with open(Path(tmp) / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
+                env = {**os.environ, **env, "MASTER_PORT": port}
+                child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(child)
         try:
             for i, method in enumerate(methods):
                 deadline = time.monotonic() + args.budget_s + 240  # start-up, evaluation, a slow close
@@ -222,14 +215,6 @@ def run_pass(methods: list[str], args, repeat: int, net) -> list[dict]:
         finally:
             kill_ranks(procs)
     return lines
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loss_at(curve: list[list[float]], seconds: float) -> float:
@@ -328,23 +313,19 @@ def main() -> None:
 
     methods = skip_missing(args.methods)
     corpus_blocks()  # the tokenised corpus, cached once before the ranks read it
-    lines = []
-    net = None
     if not args.loopback:
         check_privileges()
         remove_stale_namespaces()
-        net = Network(2).__enter__()
-        net.set_rate(args.rate)
-    try:
+    lines = []
+    with contextlib.nullcontext() if args.loopback else Network(2) as net:
+        if net is not None:
+            net.set_rate(args.rate)
         for repeat in range(args.repeats):
-            for line in run_pass(methods, args, repeat, net):
+            for line in run_pass(methods, args, repeat):
                 lines.append(line)
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps(line) + "\n")
-    finally:
-        if net is not None:
-            net.close()
     print(table(lines))
     if args.plot and lines:
         plot(lines, args.plot)

@@ -33,10 +33,17 @@ class BlockFailed(RuntimeError):
 
 
 def rank_command(
-    block: Block, rank: int, spec_path: Path, *, loopback: bool, device: str = "cpu", gpus: Sequence[str] = ()
+    block: Block,
+    rank: int,
+    spec_path: Path,
+    *,
+    loopback: bool,
+    device: str = "cpu",
+    gpus: Sequence[str] = (),
+    script: Path = SCRIPT,
 ) -> tuple[list[str], dict]:
-    """The command line and the environment (``plan.rank_env``) of one rank."""
-    cmd = [sys.executable, str(SCRIPT), "--worker", str(spec_path)]
+    """The command line and the environment (``plan.rank_env``) of one rank running ``script --worker``."""
+    cmd = [sys.executable, str(script), "--worker", str(spec_path)]
     env = rank_env(block, rank, device, loopback=loopback, gpus=list(gpus))
     if not loopback:
         cmd = ["ip", "netns", "exec", node_ns(rank // block.ranks_per_node), *cmd]
@@ -149,7 +156,7 @@ def run_plan(blocks: list[Block], args, gpus: Sequence[str] = ()) -> list[dict]:
                 if net is not None:
                     net.set_rate(block.rate)
                 with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as tmp:
-                    port = _free_port() if args.loopback else 29500 + index
+                    port = free_port() if args.loopback else 29500 + index
                     probe, results = run_block(
                         block, Path(tmp), port=port, loopback=args.loopback, device=args.device, gpus=gpus
                     )
@@ -177,7 +184,7 @@ def _network(nodes: int, loopback: bool, mtu: int):
     return contextlib.nullcontext() if loopback else Network(nodes, mtu)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
