@@ -221,26 +221,31 @@ def _check_fragments(config: Any) -> None:
 
 
 def _check_second_moment(config: Any) -> None:
-    """``co2_global_second_moment_every``: a number of rounds, and refused where it is not built: its
-    all-reduce would share the outer group with a coded wire's background thread, a torchft quorum could
-    change the workers between its launch and its apply, and its state is neither sharded inside a worker
-    nor re-sharded."""
-    name = "co2_global_second_moment_every"
-    _check_int(config, name, minimum=0, maximum=MAX_MOMENT_ROUNDS, zero="0: off")
-    if config.co2_global_second_moment_every == 0:
+    """``co2_global_second_moment_every``: unset (the default, resolved by the engine:
+    ``moments.fit_default_every``) or a number of rounds, and refused where it is not built
+    (`second_moment_conflicts`)."""
+    name, every = "co2_global_second_moment_every", config.co2_global_second_moment_every
+    if every is None:
         return
-    others = {
+    _check_int(config, name, minimum=0, maximum=MAX_MOMENT_ROUNDS, zero="0: off; unset: the default")
+    for other, allowed in second_moment_conflicts(config) if every > 0 else []:
+        raise ValueError(
+            f"{name}={every} with {other}={getattr(config, other)!r}: "
+            f"allowed is {other}={allowed} (not built for it), or {name}=0"
+        )
+
+
+def second_moment_conflicts(config: Any) -> list[tuple[str, str]]:
+    """(setting, what it allows) for each setting of ``config`` that rules the inner second moment's
+    exchange out: its all-reduce would share the outer group with a coded wire's background thread, a
+    torchft quorum could change the workers between its launch and its apply, and its state is not
+    sharded inside a worker (on another world, re-sharding starts it afresh: ``reshard.py``)."""
+    conflicts = {
         "co2_comm_dtype": (config.co2_comm_dtype in CODED_WIRES, "'float32' or 'bfloat16'"),
         "co2_fault_tolerance": (config.co2_fault_tolerance != "none", "'none'"),
         "co2_worker_size": (config.co2_worker_size != 1, "1"),
-        "co2_elastic": (config.co2_elastic, "False"),
     }
-    for other, (refused, allowed) in others.items():
-        if refused:
-            raise ValueError(
-                f"{name}={config.co2_global_second_moment_every} with {other}={getattr(config, other)!r}: "
-                f"allowed is {other}={allowed} (not built for it), or {name}=0"
-            )
+    return [(name, allowed) for name, (refused, allowed) in conflicts.items() if refused]
 
 
 def _check_sparse(config: Any) -> None:

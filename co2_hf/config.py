@@ -169,13 +169,18 @@ class CO2Config:
         "Inner steps of plain data parallel (gradients averaged every step) before local updating "
         f"(at most {MAX_STEPS:.0e}, and fewer than --max_steps).",
     )
-    co2_global_second_moment_every: int = _knob(
-        0,
+    co2_global_second_moment_every: int | None = _knob(
+        None,
         f"K in [1, {MAX_MOMENT_ROUNDS}]: every K rounds the workers all-reduce their Adam(W) moments and "
         "each replaces its second moment by the estimate for the gradient averaged over the workers, "
         "which data parallel's Adam divides by (docs/algorithm.md, 'The inner second "
         "moment'); 2 model sizes in the wire's fp32 or bf16 per exchange, overlapped with the next "
-        "round. Adam/AdamW only. 0: off, each worker's Adam keeps its own.",
+        "round, and up to 4 model sizes of fp32 memory on the parameters' device. Adam/AdamW only. "
+        "0: off, each worker's Adam keeps its own. Unset: 4 where it applies (torch Adam or AdamW "
+        "without amsgrad, plain tensors, a float32 or bfloat16 wire, no torchft, one process per "
+        "worker, not elastic, state on the parameters' device, no sync warm-up, more than one worker), "
+        "else 0 with a "
+        "WARNING saying why; a checkpoint trained with 0 resumes with 0.",
     )
     co2_worker_size: int = _knob(
         1,

@@ -64,10 +64,12 @@ METHODS: dict[str, tuple[int, dict | None]] = {
     "torch_post_local_sgd": (12, None),
     "torchft_diloco": (12, None),
     "torchft_streaming": (12, None),
-    "co2": (12, {}),
-    "co2_tau4": (4, {}),
+    # CO2's defaults before the second-moment exchange became one (co2_gm4 is CO2Config() now)
+    "co2": (12, {"co2_global_second_moment_every": 0}),
+    "co2_tau4": (4, {"co2_global_second_moment_every": 0}),
     "co2_gm4": (12, {"co2_global_second_moment_every": 4}),
-    "co2_int8": (12, {"co2_comm_dtype": "int8"}),  # a quarter of the bytes: hidden where fp32 is not
+    # a quarter of the bytes: hidden where fp32 is not (the exchange is not built for coded wires)
+    "co2_int8": (12, {"co2_comm_dtype": "int8", "co2_global_second_moment_every": 0}),
 }
 PEERS = [m for m, (_, settings) in METHODS.items() if settings is None]
 

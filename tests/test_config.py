@@ -51,7 +51,7 @@ INVALID = [
     ("co2_sparse_feedback_decay", 0.0, "a number in (0, 1]"),
     ("co2_sparse_feedback_decay", 1.05, "a number in (0, 1]"),
     ("co2_sync_warmup_steps", -1, "integer >= 0"),
-    ("co2_global_second_moment_every", -1, "integer >= 0 and <= 10000 (0: off)"),
+    ("co2_global_second_moment_every", -1, "integer >= 0 and <= 10000 (0: off; unset: the default)"),
     ("co2_global_second_moment_every", 1.5, "integer >= 0"),
     ("co2_worker_size", 0, "integer >= 1"),
     ("co2_state_device", "cuda", "'same', 'cpu'"),

@@ -190,7 +190,18 @@ def test_the_default_outer_state_holds_one_buffer_for_all_fragments():
     train.train(0, 30)  # two rounds and a half: every fragment launched and applied twice
     engine = train.engines[0]
     assert sum(part.wire is not None for part in engine.fragments) == 1  # the one in flight
-    assert engine.outer_state_nbytes() == 8 * engine.layout.padded_numel + 4 * engine.layout.param_numel + 4 * (
-        max(hi - lo for lo, hi in zip(engine.layout.fragment_edges[:-1], engine.layout.fragment_edges[1:]))
-        + header_numel(2)
+    # with two workers and Adam, the default's second-moment exchange adds its offset (4 bytes per
+    # element Adam trains) and one step count per tensor Adam trains (moments.py)
+    trained = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    moments = 4 * sum(p.numel() for p in trained) + 4 * len(trained)
+    assert (
+        engine.outer_state_nbytes()
+        == 8 * engine.layout.padded_numel
+        + 4 * engine.layout.param_numel
+        + 4
+        * (
+            max(hi - lo for lo, hi in zip(engine.layout.fragment_edges[:-1], engine.layout.fragment_edges[1:]))
+            + header_numel(2)
+        )
+        + moments
     )

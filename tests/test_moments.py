@@ -4,6 +4,8 @@ cleared optimizer, and what it refuses, by name, before anything starts."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from reference import ReferenceSecondMoment
@@ -142,7 +144,6 @@ def test_a_quarantined_worker_sends_nothing_and_starts_its_own_moment_again(capl
         (dict(co2_comm_dtype="int8"), "co2_comm_dtype"),
         (dict(co2_comm_dtype="sparse"), "co2_comm_dtype"),
         (dict(co2_worker_size=2), "co2_worker_size"),
-        (dict(co2_elastic=True), "co2_elastic"),
         (dict(co2_fault_tolerance="torchft"), "co2_fault_tolerance"),
         (dict(co2_global_second_moment_every=-1), "an integer >= 0"),
         (dict(co2_global_second_moment_every=True), "an integer >= 0"),
@@ -155,8 +156,120 @@ def test_refused_combinations_name_the_flags(knobs: dict, named: str) -> None:
     assert named in str(error.value)
 
 
-def test_bfloat16_wire_is_allowed() -> None:
+def test_bfloat16_wire_and_elastic_resume_are_allowed() -> None:
+    """Elastic: on another world re-sharding starts the exchange's state afresh (test_reshard.py)."""
     assert CO2Config(co2_global_second_moment_every=2, co2_comm_dtype="bfloat16").co2_global_second_moment_every == 2
+    assert CO2Config(co2_global_second_moment_every=2, co2_elastic=True).co2_global_second_moment_every == 2
+
+
+# ---------------------------------------------------------------- the default: K = 4 where it applies
+
+
+def _default(**knobs) -> CO2Config:
+    """The library's defaults at TAU, the setting left unset."""
+    return CO2Config(co2_local_steps=TAU, **knobs)
+
+
+def test_unset_is_every_4_rounds_with_adamw_and_says_nothing(caplog) -> None:
+    """Unset with AdamW on several workers: K = 4, recorded as 4 (what checkpoints and
+    co2_config.json say), the same bits as K = 4 set by hand; no WARNING."""
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        unset = Workers(_default(), WORKERS)
+    assert not caplog.records
+    assert all(e.config.co2_global_second_moment_every == 4 for e in unset.engines)
+    assert unset.engines[0].state_dict()["config"]["co2_global_second_moment_every"] == 4
+    by_hand = Workers(_default(co2_global_second_moment_every=4), WORKERS)
+    unset.train(0, 6 * TAU)
+    by_hand.train(0, 6 * TAU)
+    off = Workers(_default(co2_global_second_moment_every=0), WORKERS)
+    off.train(0, 6 * TAU)
+    first, again, without = unset.finish(), by_hand.finish(), off.finish()
+    assert all(torch.equal(first[0][k], again[0][k]) for k in first[0])
+    assert not all(torch.equal(first[0][k], without[0][k]) for k in first[0])
+
+
+def _engines(config: CO2Config, make, workers: int = 2) -> list[CO2]:
+    """One engine per simulated worker, built together (construction is collective), each around its
+    own model and ``make(model)``'s optimizer."""
+    network = SimulatedNetwork(workers)
+    models = [TinyNet(seed=0) for _ in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:
+        build = pool.map(
+            lambda i: CO2(models[i], config, optimizer=make(models[i]), communicator=network.communicator(i)),
+            range(workers),
+        )
+        return list(build)
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+
+def _adamw(model: torch.nn.Module, **kwargs) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "knobs, make, named",
+    [
+        (dict(), _sgd, "torch.optim.Adam or AdamW"),
+        (dict(), lambda m: _adamw(m, amsgrad=True), "amsgrad"),
+        (dict(), lambda m: None, "optimizer="),
+        (dict(co2_comm_dtype="int8"), _adamw, "co2_comm_dtype='int8'"),
+        (dict(co2_comm_dtype="sparse"), _adamw, "co2_comm_dtype='sparse'"),
+        (dict(co2_state_device="cpu"), _adamw, "co2_state_device='cpu'"),
+        (dict(co2_sync_warmup_steps=2), _adamw, "co2_sync_warmup_steps=2"),
+    ],
+    ids=["sgd", "amsgrad", "no_optimizer", "int8", "sparse", "host_state", "sync_warmup"],
+)
+def test_unset_where_it_does_not_apply_is_off_with_one_warning_saying_why(knobs, make, named, caplog) -> None:
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        engines = _engines(_default(**knobs), make)
+    assert all(co2.config.co2_global_second_moment_every == 0 for co2 in engines)
+    said = [r.getMessage() for r in caplog.records if "co2_global_second_moment_every" in r.getMessage()]
+    assert len(said) == 2 and named in said[0] and "=0 to say so" in said[0]  # once per worker
+
+
+@pytest.mark.parametrize("knobs, workers", [(dict(co2_global_second_moment_every=0), 2), (dict(), 1)])
+def test_off_by_hand_or_with_one_worker_says_nothing(knobs, workers, caplog) -> None:
+    """One worker: the workers' average is its own moment, so the exchange would change nothing."""
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        engines = _engines(_default(**knobs), _adamw, workers)
+    assert all(co2.config.co2_global_second_moment_every == 0 for co2 in engines) and not caplog.records
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["saved_0", "saved_before_the_setting"])
+def test_a_checkpoint_trained_without_it_resumes_without_it_bit_for_bit(older: bool, caplog) -> None:
+    """A checkpoint trained with 0 (or from before the setting existed: read as 0) resumes under the
+    default with 0, said once at WARNING, and trains on as the run saved with 0 does."""
+    off = _default(co2_global_second_moment_every=0)
+    straight = Workers(off, WORKERS)
+    straight.train(0, 5 * TAU)
+    first = Workers(off, WORKERS)
+    first.train(0, 2 * TAU + 1)
+    saved = first.save()
+    if older:
+        for state in saved:
+            del state["co2"]["config"]["co2_global_second_moment_every"], state["co2"]["second_moment"]
+    with caplog.at_level("WARNING", logger="co2_hf"):
+        again = Workers(_default(), WORKERS, saved=saved)
+    said = [r.getMessage() for r in caplog.records if "resuming a checkpoint trained with" in r.getMessage()]
+    assert len(said) == WORKERS  # once per worker (each its own process in a real run)
+    assert all(e.config.co2_global_second_moment_every == 0 for e in again.engines)
+    again.train(2 * TAU + 1, 5 * TAU)
+    for a, b in zip(straight.finish(), again.finish()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_trained_with_it_is_refused_where_it_cannot_run() -> None:
+    """Saved by the default (4), resumed where the default resolves to 0 (here: an optimizer that is not
+    Adam's): refused, naming the setting, never trained on silently without it."""
+    first = Workers(_default(), 2)
+    first.train(0, TAU)
+    saved = first.save()
+    co2 = _engines(_default(), _sgd)[0]
+    with pytest.raises(ValueError, match="co2_global_second_moment_every: checkpoint 4, now 0"):
+        co2.load_state_dict(saved[0]["co2"])
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ BAD_FLAGS = [
     ("co2_sparse_keep_unsent", "maybe", "expected one of yes/no"),
     ("co2_sparse_feedback_decay", "0", "a number in (0, 1]"),
     ("co2_sync_warmup_steps", "-1", "integer >= 0"),
-    ("co2_global_second_moment_every", "20000", "integer >= 0 and <= 10000 (0: off)"),
+    ("co2_global_second_moment_every", "20000", "integer >= 0 and <= 10000 (0: off; unset: the default)"),
     ("co2_global_second_moment_every", "1.5", "invalid int value"),
     ("co2_worker_size", "0", "integer >= 1"),
     ("co2_state_device", "cuda", "choose from"),

@@ -67,7 +67,13 @@ def snapshot(co2: CO2, names: list[str]) -> dict[str, torch.Tensor]:
 
 # CO2Config()'s defaults before streaming fragments (the SPEC's): tests of the one-fragment engine's
 # full-overlap mechanics pin them, so that they keep testing what their names say.
-SPEC_DEFAULTS = dict(co2_fragments=1, co2_start_rule="anchor", co2_outer_momentum=0.2, co2_gap_penalty=1.0)
+SPEC_DEFAULTS = dict(
+    co2_fragments=1,
+    co2_start_rule="anchor",
+    co2_outer_momentum=0.2,
+    co2_gap_penalty=1.0,
+    co2_global_second_moment_every=0,
+)
 
 
 def _train_rounds(model, optimizer, co2: CO2, rank: int, steps: int, names: list[str]) -> list[dict]:

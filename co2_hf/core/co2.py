@@ -29,6 +29,8 @@ with ``co2_global_second_moment_every``, the inner Adam's second moment at round
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -43,7 +45,8 @@ from .fragment import Fragment
 from .groups import make_communicator
 from .layout import DEFAULT_CHUNK_NUMEL, FlatLayout
 from .live import LiveTensors, Scratch, has_dtensors, pin_state, state_device
-from .moments import GlobalSecondMoment
+from .moments import FLAG as MOMENT_FLAG
+from .moments import GlobalSecondMoment, fit_default_every
 from .reports import Reports
 from .rules import warn_about_start_rule
 from .schedule import Event, Plan, fit_default_fragments
@@ -51,6 +54,8 @@ from .state import STATE_FORMAT, Progress, check_compatible, from_dict, to_dict,
 from .tally import Tally
 from .watch import Watch
 from .wire import WirePool
+
+logger = logging.getLogger("co2_hf.core.co2")
 
 
 class CO2(Reports, AnchorViews):
@@ -116,6 +121,8 @@ class CO2(Reports, AnchorViews):
         self._anchor = torch.zeros(n, **zeros)
         self._momentum = torch.zeros(n, **zeros)
         self.optimizer = optimizer  # a worker found non-finite has its state cleared
+        self._default_moments = cfg.co2_global_second_moment_every is None  # a checkpoint's value may replace it
+        self.config = cfg = fit_default_every(cfg, optimizer, self.num_workers)
         self._moments = _second_moment(cfg, optimizer, comm)
         self._tally = Tally(len(self.layout.fragment_edges) - 1, compute)  # what the device counts (tally.py)
         self.fragments = self._make_fragments(pinned)
@@ -343,6 +350,7 @@ class CO2(Reports, AnchorViews):
         if self._pending is not None:
             raise RuntimeError("load_state_dict while an outer all-reduce is in flight")
         saved = upgrade(saved)
+        self.adopt_checkpoint_defaults(saved)
         check_compatible(saved, **self._identity())
         self._flush()
         self._anchor.copy_(saved["anchor"])
@@ -352,6 +360,23 @@ class CO2(Reports, AnchorViews):
         if self._moments is not None:
             self._moments.load_state_dict(saved["second_moment"])  # the config matched: it was saved
         self.progress = from_dict(Progress, saved["counters"])
+
+    def adopt_checkpoint_defaults(self, saved: dict[str, Any]) -> None:
+        """Before ``saved`` (an upgraded state) is checked: an unset ``co2_global_second_moment_every``
+        resumes a checkpoint trained without the exchange (0: every checkpoint from before it was the
+        default) without it, with a WARNING, so that an upgrade never stops a resume."""
+        saved_every = saved.get("config", {}).get(MOMENT_FLAG)
+        if not self._default_moments or saved_every != 0 or self.config.co2_global_second_moment_every == 0:
+            return
+        logger.warning(
+            "CO2: resuming a checkpoint trained with %s=0; it goes on without the exchange (the default, "
+            "%d, would change its trajectory). Set %s to choose.",
+            MOMENT_FLAG,
+            self.config.co2_global_second_moment_every,
+            MOMENT_FLAG,
+        )
+        self.config = dataclasses.replace(self.config, co2_global_second_moment_every=0)
+        self._moments = None
 
     def check_peer_state(self, sent: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming what differs unless ``sent`` (another worker's `state_dict`,
@@ -391,8 +416,6 @@ def _second_moment(cfg: CO2Config, optimizer: Any, comm: Communicator) -> Global
     """``co2_global_second_moment_every``'s exchange (``moments.py``), or None where it is off."""
     if cfg.co2_global_second_moment_every == 0:
         return None
-    if optimizer is None:
-        raise ValueError("co2_global_second_moment_every > 0 needs CO2(..., optimizer=) (the inner Adam or AdamW)")
     wire_dtype = torch.bfloat16 if cfg.bfloat16_wire else torch.float32  # the moments travel as the outer gradient
     return GlobalSecondMoment(
         optimizer, comm, every=cfg.co2_global_second_moment_every, timeout_s=cfg.co2_timeout_s, wire_dtype=wire_dtype

@@ -21,6 +21,8 @@ a copy of the own moment (n) while the exchange is in flight, and the offset (n)
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -28,27 +30,86 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..allowed import second_moment_conflicts
 from .comm import Communicator, Pending
 from .tally import Seconds
+
+logger = logging.getLogger("co2_hf.core.co2")
+
+
+DEFAULT_EVERY = 4  # co2_global_second_moment_every unset, where it applies (docs/choosing_settings.md, "Workers")
+FLAG = "co2_global_second_moment_every"
 
 
 def adam_of(optimizer: Any) -> torch.optim.Optimizer:
     """The torch Adam or AdamW inside ``optimizer`` (through wrappers' ``.optimizer``, as Accelerate's
     and the Trainer's), or ``ValueError`` naming the setting and what it needs."""
+    inner, why_not = _unwrap(optimizer), _why_not_adam(optimizer)
+    if why_not is not None:
+        raise ValueError(f"{FLAG} > 0 {why_not}; set {FLAG}=0")
+    return inner
+
+
+def fit_default_every(config: Any, optimizer: Any, num_workers: int) -> Any:
+    """``co2_global_second_moment_every`` unset: `DEFAULT_EVERY` where it applies, else 0, with a
+    WARNING saying why (none with one worker, where the exchange changes nothing: the workers' average
+    is the worker's own). A value the user set is never changed. Returns the config with the value
+    set: what checkpoints, ``co2_config.json`` and model cards record."""
+    if config.co2_global_second_moment_every is not None:
+        return config
+    if num_workers == 1:  # the workers' average is the worker's own moment: nothing to exchange
+        return dataclasses.replace(config, co2_global_second_moment_every=0)
+    why_not = _why_default_off(config, optimizer)
+    if why_not is not None:
+        logger.warning(
+            "CO2: %s is not set, and its default (%d: every %d rounds the workers' Adam second moments are "
+            "averaged, docs/algorithm.md 'The inner second moment') does not apply here: it %s. Training "
+            "without it (0); set %s=0 to say so.",
+            FLAG,
+            DEFAULT_EVERY,
+            DEFAULT_EVERY,
+            why_not,
+            FLAG,
+        )
+    return dataclasses.replace(config, co2_global_second_moment_every=DEFAULT_EVERY if why_not is None else 0)
+
+
+def _why_default_off(config: Any, optimizer: Any) -> str | None:
+    """Why the default cannot run under ``config`` with ``optimizer`` (None: it can)."""
+    conflicts = [f"{name}={getattr(config, name)!r}" for name, _ in second_moment_conflicts(config)]
+    if config.co2_state_device == "cpu":  # its buffers would fill the device memory the user is saving
+        conflicts.append("co2_state_device='cpu' (its buffers live on the parameters' device)")
+    if config.co2_sync_warmup_steps > 0:  # docs/algorithm.md section 20, "Where it stops"
+        conflicts.append(
+            f"co2_sync_warmup_steps={config.co2_sync_warmup_steps} (after it each worker's moment is the "
+            "averaged gradient's already, and a first exchange would divide its noise by the workers again)"
+        )
+    return f"is not built for {conflicts[0]}" if conflicts else _why_not_adam(optimizer)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The optimizer inside wrappers' ``.optimizer`` (Accelerate's, the Trainer's)."""
     inner = optimizer
     while inner is not None and not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
-    flag = "co2_global_second_moment_every"
+    return inner
+
+
+def _why_not_adam(optimizer: Any) -> str | None:
+    """Why the exchange cannot rescale ``optimizer``'s second moment (None: it can)."""
+    inner = _unwrap(optimizer)
+    if optimizer is None:
+        return "needs the inner optimizer (CO2(..., optimizer=), torch.optim.Adam or AdamW)"
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"{flag} > 0 needs the inner optimizer to be torch.optim.Adam or AdamW (it rescales their "
-            f"exp_avg_sq), got {type(optimizer).__name__}; set {flag}=0 or train with AdamW"
+        return (
+            "needs the inner optimizer to be torch.optim.Adam or AdamW (it rescales their exp_avg_sq), "
+            f"got {type(optimizer).__name__}"
         )
     if any(group.get("amsgrad") for group in inner.param_groups):
-        raise ValueError(f"{flag} > 0 with amsgrad=True: allowed is amsgrad=False (max_exp_avg_sq is not rescaled)")
+        return "with amsgrad=True: allowed is amsgrad=False (max_exp_avg_sq is not rescaled)"
     if any(isinstance(p, DTensor) for p in _params(inner)):
-        raise ValueError(f"{flag} > 0 with DTensor parameters (FSDP2, tensor parallel): allowed is plain tensors")
-    return inner
+        return "with DTensor parameters (FSDP2, tensor parallel): allowed is plain tensors"
+    return None
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:

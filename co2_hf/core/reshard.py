@@ -68,7 +68,9 @@ from .state import RESUMABLE_CHANGES, STATE_FORMAT, check_same_config, upgrade
 from .wire import header_numel
 
 # Settings that may differ between the checkpoint and a resume on another number of workers
-ELASTIC_CHANGES = RESUMABLE_CHANGES + ("co2_worker_size",)
+# co2_global_second_moment_every: its state (moments.py) is each worker's own and starts afresh on the
+# new world, as a quarantined worker's does; unset, it resolves per world (0 with one worker)
+ELASTIC_CHANGES = RESUMABLE_CHANGES + ("co2_worker_size", "co2_global_second_moment_every")
 
 
 # ------------------------------------------------------------------ the one place that knows the format
@@ -192,11 +194,11 @@ def check_reshardable(saved: list[dict[str, Any]], engine: Any) -> None:
     """Raise ``ValueError`` naming what differs unless ``saved`` (the states of every process of one
     old worker, any order) can be re-sharded into ``engine``: same model, same settings but
     `ELASTIC_CHANGES`, one whole worker, ``co2_fragments`` 1."""
-    fresh = engine.state_dict()
     saved = [upgrade(state) for state in saved]  # format 1 (co2_hf before fragments) as format 2
     for state in saved:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown CO2 checkpoint format {state.get('format')!r}")
+    fresh = engine.state_dict()
     check_same_config(saved[0]["config"], fresh["config"], may_change=ELASTIC_CHANGES)
     if engine.config.fragments > 1 and engine.config.co2_clip_threshold is not None:
         raise ValueError(
