@@ -5,7 +5,9 @@ set -eu
 # Every line up to the streaming one below ran before co2_fragments existed, when the recipes' CO2
 # was full overlap: "co2" there meant `--co2_fragments 1 --co2_start_rule eager --co2_outer_momentum 0
 # --co2_gap_penalty 0` (GPT; the "co2_full" method now) and `... --co2_outer_momentum 0.2
-# --co2_local_steps 2` (ViT). Add those flags to a method to rerun it as it ran then.
+# --co2_local_steps 2` (ViT). Add those flags to a method to rerun it as it ran then. Every line up to
+# the second-moment one at the end ran before co2_global_second_moment_every = 4 was the default:
+# they ran with 0 (the streaming lines say so; add it to the others' CO2 methods to rerun them).
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
 R=results/recipes
@@ -51,14 +53,14 @@ $C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 \
   --method "co2_win2_look_b5=--co2_start_rule lookahead --co2_outer_momentum 0.5 --co2_overlap_steps 2" -- --eval_steps 200
 # GPT: streaming CO2 (the library's defaults since fragments: co2_fragments = tau, lookahead start,
 # beta 0.2) beside local SGD (the better synchronous method at 300 steps), 3 seeds, one invocation
-$C --recipe gpt --methods local_sgd --max_steps 300 --seeds 0 1 2 --out $R/gpt_stream --method "co2_stream="
+$C --recipe gpt --methods local_sgd --max_steps 300 --seeds 0 1 2 --out $R/gpt_stream --method "co2_stream=--co2_global_second_moment_every 0"
 # GPT: streaming CO2 (the defaults) at 2000 steps, seed 0, beside the rows of gpt_2000 above
-$C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_stream=" -- --eval_steps 200
+$C --recipe gpt --methods --max_steps 2000 --seeds 0 --out $R/gpt_2000 --method "co2_stream=--co2_global_second_moment_every 0" -- --eval_steps 200
 # ViT: streaming (the library's defaults at the recipe's tau 2: 2 fragments, lookahead start) and, side
 # by side, full overlap with the eager start and streaming with the eager start; 5 seeds. (They ran
 # while the recipe used the library's defaults; the flags pin what each ran. The ViT recipe now keeps
 # full overlap with the eager start, the best of the three.)
-$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream --method "co2_stream=--co2_fragments 2 --co2_start_rule lookahead"
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream --method "co2_stream=--co2_fragments 2 --co2_start_rule lookahead --co2_global_second_moment_every 0"
 $C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_stream \
   --method "co2_full_eager=--co2_fragments 1 --co2_start_rule eager" --method "co2_stream_eager=--co2_fragments 2 --co2_start_rule eager"
 # Quantized outer gradients (issue 17): fp32, int8 and int4 on the wire side by side, each recipe
