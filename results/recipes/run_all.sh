@@ -81,3 +81,7 @@ $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep
   --method "co2_sparse_k4_b2_keep=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.015625 --co2_sparse_bits 2 --co2_sparse_keep_unsent true"
 $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep \
   --method "co2_sparse_k3_b2=--co2_comm_dtype sparse --co2_quant_block 256 --co2_sparse_density 0.01171875 --co2_sparse_bits 2"
+# The second-moment exchange as the default (co2_global_second_moment_every unset = 4 here) against it
+# off, beside data parallel, 3 seeds, 300 steps
+$C --recipe gpt --methods dp co2 --max_steps 300 --seeds 0 1 2 --out $R/gpt_moments \
+  --method "co2_k0=--co2_global_second_moment_every 0"
