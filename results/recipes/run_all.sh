@@ -85,3 +85,7 @@ $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep
 # off, beside data parallel, 3 seeds, 300 steps
 $C --recipe gpt --methods dp co2 --max_steps 300 --seeds 0 1 2 --out $R/gpt_moments \
   --method "co2_k0=--co2_global_second_moment_every 0"
+# ViT at its own settings with the second-moment exchange as the default (unset = 4) against it off,
+# beside data parallel, 5 seeds
+$C --recipe vit --methods dp co2 --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_moments \
+  --method "co2_k0=--co2_global_second_moment_every 0"
