@@ -295,10 +295,13 @@ def parse(argv: list[str] | None = None):
         # tuned on this task (recipes/README.md): full overlap's one-round delay cost accuracy in
         # proportion to the round's length (5 seeds: tau 12 0.71, tau 4 0.80, tau 2 0.88; data
         # parallel 0.89), and at tau 2 full overlap with the eager start beat the library's streaming
-        # defaults (0.879 against 0.841, 5 seeds side by side): this recipe keeps it
+        # defaults (0.879 against 0.841, 5 seeds side by side): this recipe keeps it. The library's
+        # second-moment exchange (default 4) did not pay here either: 0.826 against 0.851 off, 10 seeds
+        # side by side (recipes/README.md, "The second-moment exchange on ViT"), so the recipe turns it off
         co2_local_steps=2,
         co2_fragments=1,
         co2_start_rule="eager",
+        co2_global_second_moment_every=0,
     )
     model_args, data_args, training_args = parse_arguments(parser, defaults, argv)
     if data_args.validation_dir and not (data_args.train_dir or data_args.dataset_name):

@@ -7,7 +7,8 @@ set -eu
 # --co2_gap_penalty 0` (GPT; the "co2_full" method now) and `... --co2_outer_momentum 0.2
 # --co2_local_steps 2` (ViT). Add those flags to a method to rerun it as it ran then. Every line up to
 # the second-moment one at the end ran before co2_global_second_moment_every = 4 was the default:
-# they ran with 0 (the streaming lines say so; add it to the others' CO2 methods to rerun them).
+# they ran with 0 (the streaming lines say so; add it to the others' CO2 methods to rerun them). The
+# ViT recipe has set 0 itself since the vit_moments lines, so its earlier lines rerun as they ran.
 cd "$(dirname "$0")/../.."
 C=".venv/bin/python scripts/compare_methods.py"
 R=results/recipes
@@ -86,6 +87,12 @@ $C --recipe gpt --methods --max_steps 300 --seeds 0 1 2 --out $R/gpt_sparse_keep
 $C --recipe gpt --methods dp co2 --max_steps 300 --seeds 0 1 2 --out $R/gpt_moments \
   --method "co2_k0=--co2_global_second_moment_every 0"
 # ViT at its own settings with the second-moment exchange as the default (unset = 4) against it off,
-# beside data parallel, 5 seeds
-$C --recipe vit --methods dp co2 --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_moments \
-  --method "co2_k0=--co2_global_second_moment_every 0"
+# beside data parallel, 10 seeds, then every 1 and 2 rounds. These ran before finetune_vit.py set
+# co2_global_second_moment_every=0 (because of them): "co2" here is the exchange at 4, named so that
+# a rerun reproduces it now
+$C --recipe vit --methods dp --max_steps 250 --seeds 0 1 2 3 4 --out $R/vit_moments \
+  --method "co2=--co2_global_second_moment_every 4" --method "co2_k0=--co2_global_second_moment_every 0"
+$C --recipe vit --methods dp --max_steps 250 --seeds 5 6 7 8 9 --out $R/vit_moments \
+  --method "co2=--co2_global_second_moment_every 4" --method "co2_k0=--co2_global_second_moment_every 0"
+$C --recipe vit --methods --max_steps 250 --seeds 0 1 2 3 4 5 6 7 8 9 --out $R/vit_moments \
+  --method "co2_k1=--co2_global_second_moment_every 1" --method "co2_k2=--co2_global_second_moment_every 2"
