@@ -115,3 +115,5 @@ $S --workers 2 4 --steps 600 --seeds 2 --configs co2_gm4 --out results/workers_m
 # 16 workers, the second-moment default (co2_gm4) at seeds 1 and 2 (2026-12-07)
 $S --workers 16 --steps 600 --seeds 1 --configs co2_gm4 --out results/workers_micro_600_seed1.jsonl
 $S --workers 16 --steps 600 --seeds 2 --configs co2_gm4 --out results/workers_micro_600_seed2.jsonl
+# 32 workers (seed 0): the two CO2 runs cut in an earlier stop, the default now and before (2026-12-07)
+$S --jobs 1 --workers 32 --steps 600 --seeds 0 --configs co2_gm4 co2 --out results/workers_micro_600.jsonl

@@ -5,14 +5,16 @@
 Reads sim_sweep.py lines (each names its ``workers``) and prints a Markdown table per (model, steps,
 tau): for each config and worker count the mean final validation loss over seeds and its ratio to
 data parallel at the same global batch and AdamW lr ("dp") and to the best data-parallel run of the
-cell (dp and the dp_lr* learning rates: the tuned baseline). The plot draws the ratio to the tuned
-baseline against the number of workers, one line per config run at two counts or more.
+cell (dp and the dp_lr* learning rates: the tuned baseline). The plot draws both ratios against the
+number of workers (the tuned one only where a learning-rate grid ran), one line per config run at
+two counts or more.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -34,9 +36,14 @@ def load(paths: list[Path]) -> dict[tuple, list[float]]:
 
 
 def baselines(runs: dict[tuple, list[float]], cell: tuple) -> tuple[float, float]:
-    """(dp at lr 1e-3, the best data-parallel learning rate) of one (model, steps, tau, workers)."""
+    """(dp at lr 1e-3, the best data-parallel learning rate) of one (model, steps, tau, workers); the
+    best is NaN where no other learning rate ran, since dp alone is not a tuned baseline."""
     dp = {c: statistics.fmean(v) for (*k, c), v in runs.items() if tuple(k) == cell and c.startswith("dp")}
-    return dp.get("dp", float("nan")), min(dp.values(), default=float("nan"))
+    return dp.get("dp", float("nan")), min(dp.values()) if len(dp) > 1 else float("nan")
+
+
+def ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}"
 
 
 def table(runs: dict[tuple, list[float]]) -> str:
@@ -57,38 +64,45 @@ def table(runs: dict[tuple, list[float]]) -> str:
                     continue
                 dp, best = baselines(runs, (*setting, w))
                 mean = statistics.fmean(losses)
-                cells.append(f"{mean:.4f} ({mean / dp:.3f} / {mean / best:.3f}, n={len(losses)})")
+                cells.append(f"{mean:.4f} ({ratio(mean / dp)} / {ratio(mean / best)}, n={len(losses)})")
             out.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def plot(runs: dict[tuple, list[float]], path: Path) -> None:
+    """One column per (model, steps, tau); the top row against dp at the same learning rate, the
+    bottom against the tuned baseline (cells without a learning-rate grid are left out there)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     settings = sorted({k[:3] for k in runs})
-    fig, axes = plt.subplots(1, len(settings), figsize=(7 * len(settings), 4.8), squeeze=False, layout="constrained")
-    for ax, setting in zip(axes[0], settings):
+    fig, axes = plt.subplots(
+        2, len(settings), figsize=(7 * len(settings), 9), squeeze=False, sharex=True, layout="constrained"
+    )
+    for column, setting in enumerate(settings):
         configs = sorted({k[4] for k in runs if k[:3] == setting})
-        for i, config in enumerate(configs):
-            points = []
-            for (*k, w, c), losses in sorted(runs.items()):
-                if tuple(k) == setting and c == config:
-                    points.append((w, statistics.fmean(losses) / baselines(runs, (*setting, w))[1]))
-            if len(points) < 2:  # a config run at one count only (a screen) is in the table, not drawn
-                continue
-            points.sort()
-            # ten colours, then the same ten dashed: more lines than colours stay apart
-            ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=config)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("workers")
-        ax.set_ylabel("final validation loss / best data parallel")
-        ax.set_title(f"GPT-2 {setting[0]}, {setting[1]} steps, tau {setting[2]}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        for row, (which, label) in enumerate(((0, "dp (same learning rate)"), (1, "best data parallel"))):
+            ax = axes[row][column]
+            for i, config in enumerate(configs):
+                points = []
+                for (*k, w, c), losses in sorted(runs.items()):
+                    base = baselines(runs, (*setting, w))[which] if tuple(k) == setting and c == config else None
+                    if base is not None and not math.isnan(base):
+                        points.append((w, statistics.fmean(losses) / base))
+                if len(points) < 2:  # a config run at one count only (a screen) is in the table, not drawn
+                    continue
+                points.sort()
+                # ten colours, then the same ten dashed: more lines than colours stay apart
+                ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=config)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_ylabel(f"final validation loss / {label}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="upper left")
+        axes[0][column].set_title(f"GPT-2 {setting[0]}, {setting[1]} steps, tau {setting[2]}")
+        axes[1][column].set_xlabel("workers")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
