@@ -178,9 +178,9 @@ class CO2Config:
         "round, and up to 4 model sizes of fp32 memory on the parameters' device. Adam/AdamW only. "
         "0: off, each worker's Adam keeps its own. Unset: 4 where it applies (torch Adam or AdamW "
         "without amsgrad, plain tensors, a float32 or bfloat16 wire, no torchft, one process per "
-        "worker, not elastic, state on the parameters' device, no sync warm-up, more than one worker), "
-        "else 0 with a "
-        "WARNING saying why; a checkpoint trained with 0 resumes with 0.",
+        "worker, state on the parameters' device, no sync warm-up, more than one worker), else 0 with "
+        "a WARNING saying why; a checkpoint trained with 0 resumes with 0; elastic resume onto another "
+        "world starts its state afresh.",
     )
     co2_worker_size: int = _knob(
         1,
