@@ -69,6 +69,17 @@ def table(runs: dict[tuple, list[float]]) -> str:
     return "\n".join(out)
 
 
+def ratios(runs: dict[tuple, list[float]], setting: tuple, config: str, which: int) -> list[tuple[int, float]]:
+    """(workers, mean loss / baseline) of one config, by worker count; ``which`` picks the baseline of
+    `baselines` (0: dp, 1: tuned); counts where that baseline is missing are left out."""
+    points = []
+    for (*k, w, c), losses in sorted(runs.items()):
+        base = baselines(runs, (*setting, w))[which] if tuple(k) == setting and c == config else math.nan
+        if not math.isnan(base):
+            points.append((w, statistics.fmean(losses) / base))
+    return points
+
+
 def plot(runs: dict[tuple, list[float]], path: Path) -> None:
     """One column per (model, steps, tau); the top row against dp at the same learning rate, the
     bottom against the tuned baseline (cells without a learning-rate grid are left out there)."""
@@ -83,17 +94,12 @@ def plot(runs: dict[tuple, list[float]], path: Path) -> None:
     )
     for column, setting in enumerate(settings):
         configs = sorted({k[4] for k in runs if k[:3] == setting})
-        for row, (which, label) in enumerate(((0, "dp (same learning rate)"), (1, "best data parallel"))):
-            ax = axes[row][column]
+        for which, label in enumerate(("dp (same learning rate)", "best data parallel")):
+            ax = axes[which][column]
             for i, config in enumerate(configs):
-                points = []
-                for (*k, w, c), losses in sorted(runs.items()):
-                    base = baselines(runs, (*setting, w))[which] if tuple(k) == setting and c == config else None
-                    if base is not None and not math.isnan(base):
-                        points.append((w, statistics.fmean(losses) / base))
+                points = ratios(runs, setting, config, which)
                 if len(points) < 2:  # a config run at one count only (a screen) is in the table, not drawn
                     continue
-                points.sort()
                 # ten colours, then the same ten dashed: more lines than colours stay apart
                 ax.plot(*zip(*points), marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=config)
             ax.axhline(1.0, color="k", lw=0.8)
